@@ -1,0 +1,8 @@
+"""wcd: a GPU weight cache daemon.
+
+The daemon keeps model weights resident (GPU memory, or host memory without a GPU) and hands
+them to engines zero-copy over a Unix socket. This package root imports nothing heavy: the
+daemon and wcdctl must start fast and never import torch.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,5 @@
+import sys
+
+from wcd.cli.wcd import main
+
+sys.exit(main())

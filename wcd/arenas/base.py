@@ -1,0 +1,72 @@
+"""The arena interface shared by the host (memfd) and CUDA (VMM) backends.
+
+Daemon side: a backend creates arenas on a device, reports device memory, and gives the loader
+a writer that fills an arena from file ranges. Client side: `wcd.views` maps an exported fd.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    device: str  # canonical id: "cpu" or the GPU UUID
+    name: str  # human name: "host memory", "NVIDIA H200 (cuda:0)"
+    total: int
+    free: int
+
+
+class ArenaWriter(ABC):
+    """Fills an arena from files. `copy_from_file` is called from several worker threads at once."""
+
+    @abstractmethod
+    def copy_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None:
+        """Wait for outstanding copies and release staging resources."""
+
+
+class Arena(ABC):
+    kind: str  # "host" or "cuda": tells the client how to map the fd
+    device: str  # canonical device id
+    size: int  # bytes allocated (manifest size rounded up to the backend's granularity)
+
+    @abstractmethod
+    def fd(self) -> int:
+        """The exportable descriptor. The arena keeps ownership; sending dups it."""
+
+    @abstractmethod
+    def writer(self) -> ArenaWriter:
+        """A writer for the daemon's loader (one at a time)."""
+
+    @abstractmethod
+    def seal(self) -> None:
+        """No more writes after this: the contents are final and shared read-only."""
+
+    @abstractmethod
+    def read(self, offset: int, nbytes: int) -> bytes:
+        """Copy bytes out (used by `verify`)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Close every descriptor the daemon holds; memory returns once clients unmap."""
+
+
+class ArenaBackend(ABC):
+    @abstractmethod
+    def canonical(self, device: str) -> str:
+        """The stable identity of `device` ("cpu", or the GPU UUID for "cuda:N")."""
+
+    @abstractmethod
+    def arena_size(self, nbytes: int, device: str) -> int:
+        """`nbytes` rounded up to the allocation granularity."""
+
+    @abstractmethod
+    def create(self, device: str, size: int, label: str) -> Arena:
+        """Allocate an arena; raises `OutOfMemory` when the device cannot hold it."""
+
+    @abstractmethod
+    def info(self, device: str) -> DeviceInfo: ...

@@ -1,0 +1,111 @@
+"""Host-memory arenas: one memfd per entry, sealed against writes once filled.
+
+Readers map the sealed memfd MAP_PRIVATE, so a stray write in an engine lands in its own
+copy-on-write page and never in the shared copy. Sealing with F_SEAL_WRITE requires that no
+writable shared mapping exists, which is why fill views must be dropped before commit.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import threading
+
+from wcd.arenas.base import Arena, ArenaBackend, ArenaWriter, DeviceInfo
+from wcd.errors import BadRequest, Busy, OutOfMemory
+from wcd.key import HOST_DEVICE
+from wcd.manifest import align_up
+
+SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
+PAGE = mmap.PAGESIZE
+
+
+class HostWriter(ArenaWriter):
+    def __init__(self, fd: int, size: int) -> None:
+        self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self._view = memoryview(self._map)
+
+    def copy_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int) -> None:
+        dst = self._view[arena_offset : arena_offset + nbytes]
+        while dst:
+            n = os.preadv(fd, [dst], file_offset)
+            if n == 0:
+                raise OSError(errno.EIO, "unexpected end of file")
+            dst, file_offset = dst[n:], file_offset + n
+
+    def close(self) -> None:
+        self._view.release()
+        self._map.close()
+
+
+class HostArena(Arena):
+    kind = "host"
+    device = HOST_DEVICE
+
+    def __init__(self, size: int, label: str) -> None:
+        self.size = size
+        self._fd = os.memfd_create(f"wcd:{label}"[:249], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        self._lock = threading.Lock()
+        try:
+            # fallocate commits the memory now, so running out of RAM fails here with a clear
+            # error instead of SIGBUS in the loader or an engine later.
+            os.posix_fallocate(self._fd, 0, size)
+        except OSError as e:
+            os.close(self._fd)
+            if e.errno in (errno.ENOSPC, errno.ENOMEM):
+                raise OutOfMemory(f"host memory: cannot allocate {size} bytes for {label!r} ({e.strerror})") from None
+            raise
+
+    def fd(self) -> int:
+        return self._fd
+
+    def writer(self) -> HostWriter:
+        return HostWriter(self._fd, self.size)
+
+    def seal(self) -> None:
+        try:
+            fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, SEALS)
+        except OSError as e:
+            if e.errno == errno.EBUSY:
+                raise Busy("the arena is still mapped writable: drop every fill view before commit") from None
+            raise
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        return os.pread(self._fd, nbytes, offset)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+
+class HostBackend(ArenaBackend):
+    def canonical(self, device: str) -> str:
+        if device != HOST_DEVICE:
+            raise BadRequest(f"unknown host device {device!r}")
+        return HOST_DEVICE
+
+    def arena_size(self, nbytes: int, device: str) -> int:
+        return align_up(nbytes, PAGE)
+
+    def create(self, device: str, size: int, label: str) -> HostArena:
+        return HostArena(size, label)
+
+    def info(self, device: str) -> DeviceInfo:
+        total = os.sysconf("SC_PHYS_PAGES") * PAGE
+        free = _mem_available()
+        return DeviceInfo(HOST_DEVICE, "host memory", total, free)
+
+
+def _mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * PAGE

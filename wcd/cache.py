@@ -1,0 +1,311 @@
+"""Entries, leases, budgets and eviction: the cache's rules as plain logic.
+
+No I/O and no asyncio: time comes from an injected clock, arenas are opaque handles the cache
+never touches. Operations that free memory return the entries they dropped; the caller (the
+server) closes their arenas. Theory of operation:
+
+- An entry is admitted against its device's budget, evicting least-recently-used candidates
+  (`cached`/`ephemeral`, `ready`, no leases) if needed; otherwise `OutOfMemory`.
+- States: `loading` (daemon fills it) or `filling` (a client fills it under a fill lease) ->
+  `ready` -> `evicting` (asked to go while leased; dropped when the last lease ends).
+- A lease lives until released, expired (no heartbeat within the TTL) or its owner (the
+  connection) goes away. A fill lease that ends before commit drops its entry at once.
+- `ephemeral` entries are dropped when their last read lease ends.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from wcd.errors import BadRequest, Busy, KeyMismatch, LeaseExpired, NotFound, OutOfMemory
+from wcd.key import WeightCacheKey
+from wcd.manifest import Manifest
+
+State = Literal["loading", "filling", "ready", "evicting"]
+Retention = Literal["pinned", "cached", "ephemeral"]
+LeaseKind = Literal["read", "fill"]
+
+
+@dataclass(eq=False)
+class Lease:
+    id: int
+    entry: Entry
+    kind: LeaseKind
+    owner: Hashable
+    pid: int
+    uid: int
+    expires_at: float
+
+
+@dataclass(eq=False)
+class Entry:
+    name: str
+    key: WeightCacheKey
+    manifest: Manifest
+    nbytes: int  # arena bytes charged against the device budget
+    retention: Retention
+    origin: Literal["config", "load", "publish"]
+    state: State
+    created_at: float
+    last_used: float
+    leases: dict[int, Lease] = field(default_factory=dict)
+    arena: Any = None  # opaque to the cache: the server's arena handle
+    done_bytes: int = 0  # load progress
+    acquires: int = 0
+
+    @property
+    def device(self) -> str:
+        return self.key.device
+
+    @property
+    def read_leases(self) -> int:
+        return sum(1 for lease in self.leases.values() if lease.kind == "read")
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "state": self.state,
+            "bytes": self.nbytes,
+            "device": self.device,
+            "leases": len(self.leases),
+            "retention": self.retention,
+            "origin": self.origin,
+            "tensors": len(self.manifest.tensors),
+            "progress": {"done": self.done_bytes, "total": self.manifest.nbytes},
+            "acquires": self.acquires,
+            "last_used": self.last_used,
+            "key": self.key.model_dump(),
+        }
+
+
+class Cache:
+    def __init__(self, budgets: dict[str, int], lease_ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.budgets = dict(budgets)
+        self.lease_ttl_s = lease_ttl_s
+        self.clock = clock
+        self.entries: dict[str, Entry] = {}
+        self.leases: dict[int, Lease] = {}
+        self._ids = itertools.count(1)
+        self.stats = {"lease_expiries": 0, "evictions": 0}
+
+    # -- lookup -----------------------------------------------------------------------------
+
+    def used(self, device: str) -> int:
+        return sum(e.nbytes for e in self.entries.values() if e.device == device)
+
+    def by_key(self, key: WeightCacheKey) -> Entry | None:
+        return next((e for e in self.entries.values() if e.key == key), None)
+
+    def find(self, target: str | WeightCacheKey) -> Entry:
+        """The entry named `target`, or whose key equals it. A near miss reports the differing fields."""
+        if isinstance(target, str):
+            entry = self.entries.get(target)
+            if entry is None:
+                raise NotFound(f"no entry named {target!r} (wcdctl list shows what is resident)", {"name": target})
+            return entry
+        entry = self.by_key(target)
+        if entry is not None:
+            return entry
+        same_model = [e for e in self.entries.values() if e.key.model == target.model]
+        if not same_model:
+            raise NotFound(f"no entry for model {target.model!r}", {"model": target.model})
+        nearest = min(same_model, key=lambda e: len(e.key.diff(target)))
+        fields = nearest.key.diff(target)
+        raise KeyMismatch(
+            f"model {target.model!r} is resident as {nearest.name!r} but its key differs in: {', '.join(fields)}",
+            {"fields": fields, "entry": nearest.name,
+             "resident": {f: _plain(getattr(nearest.key, f)) for f in fields},
+             "requested": {f: _plain(getattr(target, f)) for f in fields}},
+        )
+
+    # -- admission and eviction -------------------------------------------------------------
+
+    def admit(
+        self, name: str, key: WeightCacheKey, manifest: Manifest, nbytes: int, retention: Retention,
+        origin: Literal["config", "load", "publish"],
+    ) -> tuple[Entry, list[Entry]]:
+        """Create an entry (state `loading`, or `filling` for publishes) charged to its device.
+
+        Returns the entry and the entries evicted to make room. Raises `Busy` if the name or key
+        is taken, `OutOfMemory` if the budget cannot fit it even after eviction.
+        """
+        if name in self.entries:
+            raise Busy(f"an entry named {name!r} already exists ({self.entries[name].state})", {"name": name})
+        if self.by_key(key) is not None:
+            raise Busy(f"an entry with this key already exists: {self.by_key(key).name!r}")  # type: ignore[union-attr]
+        device = key.device
+        if device not in self.budgets:
+            raise BadRequest(f"device {device!r} is not managed by this daemon (devices: {', '.join(self.budgets)})")
+        victims = self._make_room(device, nbytes)
+        now = self.clock()
+        state: State = "filling" if origin == "publish" else "loading"
+        entry = Entry(name, key, manifest, nbytes, retention, origin, state, now, now)
+        self.entries[name] = entry
+        for v in victims:
+            self._drop(v)
+            self.stats["evictions"] += 1
+        return entry, victims
+
+    def _make_room(self, device: str, nbytes: int) -> list[Entry]:
+        budget = self.budgets[device]
+        free = budget - self.used(device)
+        if nbytes <= free:
+            return []
+        candidates = sorted(
+            (e for e in self.entries.values()
+             if e.device == device and e.state == "ready" and e.retention != "pinned" and not e.leases),
+            key=lambda e: e.last_used,
+        )
+        victims = []
+        for e in candidates:
+            if free >= nbytes:
+                break
+            victims.append(e)
+            free += e.nbytes
+        if free < nbytes:
+            held = self.used(device) - sum(e.nbytes for e in candidates)
+            raise OutOfMemory(
+                f"{_gib(nbytes)} does not fit on {device}: budget {_gib(budget)}, {_gib(held)} held by pinned, "
+                f"leased or loading entries; evict something (wcdctl evict) or raise the budget",
+                {"device": device, "need": nbytes, "budget": budget, "held": held},
+            )
+        return victims
+
+    def evict(self, entry: Entry) -> list[Entry]:
+        """Drop an entry now, or mark it `evicting` until its leases end (loads are cancelled)."""
+        self.stats["evictions"] += 1
+        if entry.leases or entry.state == "loading":
+            entry.state = "evicting"
+            return []
+        return [self._drop(entry)]
+
+    def _drop(self, entry: Entry) -> Entry:
+        for lease_id in list(entry.leases):
+            del self.leases[lease_id]
+        entry.leases.clear()
+        del self.entries[entry.name]
+        return entry
+
+    # -- loading ----------------------------------------------------------------------------
+
+    def loaded(self, entry: Entry) -> list[Entry]:
+        """A daemon-side load finished. If it was evicted meanwhile, drop it now."""
+        if entry.state == "evicting":
+            return [] if entry.leases else [self._drop(entry)]
+        entry.state = "ready"
+        entry.last_used = self.clock()
+        return []
+
+    def load_failed(self, entry: Entry) -> list[Entry]:
+        return [self._drop(entry)] if entry.name in self.entries and self.entries[entry.name] is entry else []
+
+    # -- leases -----------------------------------------------------------------------------
+
+    def acquire(self, entry: Entry, owner: Hashable, pid: int = 0, uid: int = 0) -> Lease:
+        if entry.state != "ready":
+            raise Busy(f"entry {entry.name!r} is {entry.state}", {"name": entry.name, "state": entry.state})
+        entry.acquires += 1
+        return self._new_lease(entry, "read", owner, pid, uid)
+
+    def reserve(
+        self, name: str, key: WeightCacheKey, manifest: Manifest, nbytes: int, retention: Retention,
+        owner: Hashable, pid: int = 0, uid: int = 0,
+    ) -> tuple[Entry, Lease, list[Entry]]:
+        entry, victims = self.admit(name, key, manifest, nbytes, retention, "publish")
+        return entry, self._new_lease(entry, "fill", owner, pid, uid), victims
+
+    def _new_lease(self, entry: Entry, kind: LeaseKind, owner: Hashable, pid: int, uid: int) -> Lease:
+        now = self.clock()
+        lease = Lease(next(self._ids), entry, kind, owner, pid, uid, now + self.lease_ttl_s)
+        entry.leases[lease.id] = lease
+        entry.last_used = now
+        self.leases[lease.id] = lease
+        return lease
+
+    def _owned(self, owner: Hashable, lease_id: int) -> Lease:
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.owner != owner:
+            raise LeaseExpired(f"lease {lease_id} is not held by this connection (expired or released)",
+                               {"lease": lease_id})
+        return lease
+
+    def heartbeat(self, owner: Hashable, lease_ids: Iterable[int]) -> list[int]:
+        """Renew the owner's leases; returns the ids that are no longer held."""
+        deadline = self.clock() + self.lease_ttl_s
+        lost = []
+        for lease_id in lease_ids:
+            lease = self.leases.get(lease_id)
+            if lease is None or lease.owner != owner:
+                lost.append(lease_id)
+            else:
+                lease.expires_at = deadline
+        return lost
+
+    def release(self, owner: Hashable, lease_id: int) -> list[Entry]:
+        lease = self._owned(owner, lease_id)
+        if lease.kind == "fill":
+            raise BadRequest(f"lease {lease_id} is a fill lease: commit or abort it")
+        return self._end(lease)
+
+    def commit(self, owner: Hashable, lease_id: int) -> Entry:
+        lease = self._owned(owner, lease_id)
+        if lease.kind != "fill":
+            raise BadRequest(f"lease {lease_id} is a read lease: only fill leases commit")
+        entry = lease.entry
+        del self.leases[lease.id]
+        del entry.leases[lease.id]
+        entry.state = "ready"
+        entry.done_bytes = entry.manifest.nbytes
+        entry.last_used = self.clock()
+        return entry
+
+    def abort(self, owner: Hashable, lease_id: int) -> list[Entry]:
+        lease = self._owned(owner, lease_id)
+        if lease.kind != "fill":
+            raise BadRequest(f"lease {lease_id} is a read lease: release it instead")
+        return self._end(lease)
+
+    def _end(self, lease: Lease) -> list[Entry]:
+        entry = lease.entry
+        del self.leases[lease.id]
+        del entry.leases[lease.id]
+        entry.last_used = self.clock()
+        if entry.name not in self.entries:
+            return []
+        if lease.kind == "fill" and entry.state == "filling":
+            return [self._drop(entry)]
+        if not entry.leases and (entry.state == "evicting" or (entry.retention == "ephemeral" and entry.state == "ready")):
+            return [self._drop(entry)]
+        return []
+
+    def expire(self) -> tuple[list[Lease], list[Entry]]:
+        """End every lease past its deadline. Returns (expired leases, dropped entries)."""
+        now = self.clock()
+        expired = [lease for lease in self.leases.values() if lease.expires_at <= now]
+        dropped: list[Entry] = []
+        for lease in expired:
+            dropped += self._end(lease)
+        self.stats["lease_expiries"] += len(expired)
+        return expired, dropped
+
+    def next_expiry(self) -> float | None:
+        return min((lease.expires_at for lease in self.leases.values()), default=None)
+
+    def drop_owner(self, owner: Hashable) -> list[Entry]:
+        """The owner (a connection) went away: end all its leases."""
+        dropped: list[Entry] = []
+        for lease in [lease for lease in self.leases.values() if lease.owner == owner]:
+            dropped += self._end(lease)
+        return dropped
+
+
+def _plain(v: Any) -> Any:
+    return dict(v) if isinstance(v, dict) else v
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"

@@ -1,0 +1,57 @@
+"""`wcd serve` (the daemon) and `wcd demo` (the embedded default)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from wcd.cli import die
+from wcd.errors import WcdError
+
+USAGE_ERROR = 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="wcd", description="GPU weight cache daemon")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the daemon")
+    where = serve.add_mutually_exclusive_group(required=True)
+    where.add_argument("--config", type=Path, help="TOML config file")
+    where.add_argument("--instance", help="instance name: reads /etc/wcd/NAME.toml, listens on /run/wcd/NAME.sock")
+    serve.add_argument("--socket", type=Path, help="listen here (overrides the config)")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    demo = sub.add_parser("demo", help="write a checkpoint, serve it, attach it, compare with safetensors")
+    demo.add_argument("--size-mb", type=int, default=384, help="checkpoint size (default 384)")
+    demo.add_argument("--tensors", type=int, default=300, help="number of tensors (default 300)")
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return serve_main(args)
+    from wcd.demo import run_demo
+
+    try:
+        return run_demo(args.size_mb, args.tensors)
+    except WcdError as e:
+        die("wcd demo", e.message, 1)
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    from wcd.config import instance_config_path, load_config
+    from wcd.server import run
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(message)s", stream=sys.stderr)
+    path = args.config or instance_config_path(args.instance)
+    try:
+        config = load_config(path, args.instance)
+        if args.socket is not None:
+            config.daemon.socket = args.socket
+        return run(config, args.instance or path.stem)
+    except WcdError as e:
+        die("wcd", e.message, USAGE_ERROR if e.code == "config_error" else 1)
+    except PermissionError as e:
+        die("wcd", f"{e.filename}: permission denied (run as the wcd user or root, or pick another --socket)", 1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,388 @@
+"""Synchronous client for engine processes and wcdctl: connect, ops, leases, heartbeats, publish.
+
+One Unix socket per `Client`, safe to share between threads: requests carry ids and whichever
+thread is waiting reads the socket and hands other threads their replies, so a long `acquire`
+never delays a heartbeat. A background thread renews every live lease every TTL/3. Error
+replies become the `wcd.errors` classes. torch is imported only when tensors are touched.
+"""
+
+from __future__ import annotations
+
+import array
+import itertools
+import logging
+import os
+import socket
+import threading
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from wcd import __version__, protocol
+from wcd.errors import DaemonUnavailable, PermissionDenied, ProtocolError, WcdError, from_wire
+from wcd.key import WeightCacheKey
+from wcd.manifest import Manifest
+
+if TYPE_CHECKING:
+    import torch
+
+    from wcd.views import MappedArena
+
+log = logging.getLogger("wcd.client")
+
+_ANC = socket.CMSG_SPACE(protocol.MAX_FDS_PER_FRAME * 4)
+
+
+def default_socket() -> str:
+    path = os.environ.get("WCD_SOCKET")
+    if not path:
+        raise DaemonUnavailable("no daemon socket given: pass one or set WCD_SOCKET (e.g. /run/wcd/NAME.sock)")
+    return path
+
+
+class Lease:
+    """A read lease: zero-copy tensor views of a resident entry, kept alive by heartbeats.
+
+    Views stay valid after `release()` for host arenas (the private mapping lives as long as
+    any view); for CUDA arenas `release()` unmaps, so drop the views first.
+    """
+
+    kind = "read"
+
+    def __init__(self, client: Client, reply: dict[str, Any], fd: int) -> None:
+        self.client = client
+        self.id: int = reply["lease"]
+        self.entry: str = reply["entry"]
+        self.key = WeightCacheKey.model_validate(reply["key"])
+        self.manifest = Manifest.from_wire(reply["manifest"])
+        self.arena: dict[str, Any] = reply["arena"]
+        self.lost = False  # set when a heartbeat finds the daemon no longer holds this lease
+        self.released = False
+        self._mapped: MappedArena | None = None
+        try:
+            from wcd.views import map_arena
+
+            self._mapped = map_arena(self.arena, fd, self.manifest, writable=self.kind == "fill")
+        except BaseException:
+            self.client._end_lease(self, "abort" if self.kind == "fill" else "release")
+            raise
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        if self._mapped is None:
+            raise WcdError(f"lease {self.id} on {self.entry} is released: its views are gone")
+        return self._mapped.tensors
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        if self._mapped is not None:
+            self._mapped.close()
+            self._mapped = None
+        self.client._end_lease(self, "release")
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"<wcd.Lease {self.id} {self.kind} {self.entry} {len(self.manifest.tensors)} tensors>"
+
+
+class FillLease(Lease):
+    """A fill lease from `reserve`: writable views of a fresh arena; `commit()` or `abort()`."""
+
+    kind = "fill"
+
+    def commit(self) -> str:
+        """Make the entry ready for everyone. Every reference to `tensors` must be dropped first."""
+        if self._mapped is not None:
+            self._mapped.unmap_writable()
+            self._mapped = None
+        reply = self.client.request("commit", lease=self.id)
+        self.released = True
+        self.client._forget(self)
+        return str(reply["entry"])
+
+    def abort(self) -> None:
+        if self._mapped is not None:
+            self._mapped.close()
+            self._mapped = None
+        if not self.released:
+            self.released = True
+            self.client._end_lease(self, "abort")
+
+    def release(self) -> None:
+        self.abort()
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if not self.released:
+            self.abort()
+
+
+class Client:
+    """A connection to one daemon. `Client()` uses $WCD_SOCKET."""
+
+    def __init__(self, path: str | os.PathLike[str] | None = None, *, name: str = "",
+                 timeout: float | None = None, heartbeats: bool = True) -> None:
+        self.path = os.fspath(path) if path is not None else default_socket()
+        self._ids = itertools.count(1)
+        self._send_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._replies: dict[int | None, tuple[dict[str, Any], list[int]]] = {}
+        self._reading = False
+        self._broken: WcdError | None = None
+        self._decoder = protocol.FrameDecoder()
+        self._leases: dict[int, Lease] = {}
+        self._stop = threading.Event()
+        self._heartbeat_thread: threading.Thread | None = None
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        self.sock.settimeout(timeout)
+        try:
+            self.sock.connect(self.path)
+        except (FileNotFoundError, ConnectionRefusedError):
+            self.sock.close()
+            raise DaemonUnavailable(f"daemon not running at {self.path} (is wcd@NAME.socket started?)") from None
+        except PermissionError:
+            self.sock.close()
+            raise PermissionDenied(f"{self.path}: permission denied (join the socket's group, usually 'wcd')") from None
+        except OSError as e:
+            self.sock.close()
+            raise DaemonUnavailable(f"cannot connect to {self.path}: {e.strerror}") from None
+        try:
+            self.server = self.request("hello", versions=list(protocol.SUPPORTED_VERSIONS),
+                                       client=name or f"wcd-client {__version__} pid {os.getpid()}")
+        except BaseException:
+            self.sock.close()
+            raise
+        self.lease_ttl_s: float = self.server["lease_ttl_s"]
+        self._heartbeats = heartbeats
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def request(self, op: str, **fields: Any) -> dict[str, Any]:
+        reply, fds = self.request_fds(op, **fields)
+        for fd in fds:
+            os.close(fd)
+        return reply
+
+    def request_fds(self, op: str, **fields: Any) -> tuple[dict[str, Any], list[int]]:
+        """Send one request and wait for its reply; returns the reply and the fds it carried."""
+        req_id = next(self._ids)
+        data = protocol.encode({"op": op, "id": req_id, **fields})
+        with self._send_lock:
+            if self._broken is not None:
+                raise self._broken
+            try:
+                self.sock.sendall(data)
+            except OSError as e:
+                self._fail(DaemonUnavailable(f"connection to {self.path} lost ({e.strerror or e})"))
+        reply, fds = self._wait(req_id)
+        if not reply.get("ok"):
+            for fd in fds:
+                os.close(fd)
+            raise from_wire(reply.get("error"))
+        return reply, fds
+
+    def _wait(self, req_id: int) -> tuple[dict[str, Any], list[int]]:
+        with self._cond:
+            while True:
+                if req_id in self._replies:
+                    return self._replies.pop(req_id)
+                if None in self._replies:  # a stream-level error from the daemon is everyone's
+                    raise from_wire(self._replies[None][0].get("error"))
+                if self._broken is not None:
+                    raise self._broken
+                if not self._reading:
+                    break
+                self._cond.wait()
+            self._reading = True
+        try:
+            self._read_some()
+        finally:
+            with self._cond:
+                self._reading = False
+                self._cond.notify_all()
+        return self._wait(req_id)
+
+    def _read_some(self) -> None:
+        """Read from the socket until at least one complete frame has arrived (leader only)."""
+        while True:
+            try:
+                item = self._decoder.next_message()
+            except ProtocolError as e:
+                self._fail(e)
+            if item is not None:
+                msg, fds = item
+                with self._cond:
+                    self._replies[msg.get("id")] = (msg, fds)
+                return
+            try:
+                data, anc, flags, _ = self.sock.recvmsg(256 * 1024, _ANC, socket.MSG_CMSG_CLOEXEC)
+            except socket.timeout:
+                self._fail(DaemonUnavailable(f"no reply from the daemon at {self.path} within the timeout"))
+            except OSError as e:
+                self._fail(DaemonUnavailable(f"connection to {self.path} lost ({e.strerror or e})"))
+            fds: list[int] = []
+            for level, kind, payload in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    a = array.array("i")
+                    a.frombytes(payload[: len(payload) - len(payload) % a.itemsize])
+                    fds.extend(a)
+            if not data:
+                for fd in fds:
+                    os.close(fd)
+                self._fail(DaemonUnavailable(f"the daemon at {self.path} closed the connection"))
+            self._decoder.feed(data, fds)
+
+    def _fail(self, err: WcdError) -> Any:
+        with self._cond:
+            if self._broken is None:
+                self._broken = err
+            self._cond.notify_all()
+        raise err
+
+    # -- leases and heartbeats --------------------------------------------------------------
+
+    def _track(self, lease: Lease) -> Lease:
+        with self._cond:
+            self._leases[lease.id] = lease
+        if self._heartbeats and self._heartbeat_thread is None:
+            self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="wcd-heartbeat", daemon=True)
+            self._heartbeat_thread.start()
+        return lease
+
+    def _forget(self, lease: Lease) -> None:
+        with self._cond:
+            self._leases.pop(lease.id, None)
+
+    def _end_lease(self, lease: Lease, op: str) -> None:
+        self._forget(lease)
+        if lease.lost or self._broken is not None:
+            return  # nothing left to end on the daemon's side
+        self.request(op, lease=lease.id)
+
+    def _heartbeat_loop(self) -> None:
+        interval = self.lease_ttl_s / 3
+        while not self._stop.wait(interval):
+            with self._cond:
+                ids = list(self._leases)
+            if not ids:
+                continue
+            try:
+                lost = self.request("heartbeat", leases=ids)["lost"]
+            except WcdError as e:
+                log.warning("wcd: heartbeat failed (%s); leases are lost, attached views stay usable", e.message)
+                lost = ids
+            for lease_id in lost:
+                with self._cond:
+                    lease = self._leases.pop(lease_id, None)
+                if lease is not None:
+                    lease.lost = True
+                    log.warning("wcd: lease %d on %s was lost (expired or daemon restarted)", lease_id, lease.entry)
+            if self._broken is not None:
+                return
+
+    @property
+    def leases(self) -> list[Lease]:
+        with self._cond:
+            return list(self._leases.values())
+
+    # -- ops --------------------------------------------------------------------------------
+
+    def ping(self) -> None:
+        self.request("ping")
+
+    def status(self) -> dict[str, Any]:
+        return self.request("status")
+
+    def list(self) -> list[dict[str, Any]]:
+        return self.request("list")["entries"]  # type: ignore[no-any-return]
+
+    def list_leases(self) -> list[dict[str, Any]]:
+        return self.request("leases")["leases"]  # type: ignore[no-any-return]
+
+    def metrics(self) -> str:
+        return str(self.request("metrics")["text"])
+
+    def load(self, name: str, path: str | os.PathLike[str] | None = None, *, device: str | None = None,
+             retention: str | None = None, wait: bool = False) -> dict[str, Any]:
+        fields: dict[str, Any] = {"name": name, "wait": wait}
+        if path is not None:
+            fields["path"] = os.path.abspath(os.fspath(path))
+        if device is not None:
+            fields["device"] = device
+        if retention is not None:
+            fields["retention"] = retention
+        return self.request("load", **fields)["entry"]  # type: ignore[no-any-return]
+
+    def evict(self, target: str | WeightCacheKey) -> dict[str, Any]:
+        return self.request("evict", **_target(target))
+
+    def verify(self, target: str | WeightCacheKey) -> dict[str, Any]:
+        return self.request("verify", **_target(target))
+
+    def acquire(self, target: str | WeightCacheKey, *, wait: bool = True, timeout_s: float = 3600.0) -> Lease:
+        """A read lease on an entry (by entry name or exact key), waiting while it loads."""
+        reply, fds = self.request_fds("acquire", wait=wait, timeout_s=timeout_s, **_target(target))
+        return self._track(Lease(self, reply, _one_fd(fds)))
+
+    def reserve(self, key: WeightCacheKey, tensors: Mapping[str, tuple[Any, tuple[int, ...]]], *,
+                retention: str = "cached") -> FillLease:
+        """A fill lease on a fresh arena laid out for `tensors` ({name: (dtype, shape)})."""
+        from wcd.views import wire_dtype
+
+        rows = [[name, dtype if isinstance(dtype, str) else wire_dtype(dtype), list(shape)]
+                for name, (dtype, shape) in tensors.items()]
+        reply, fds = self.request_fds("reserve", key=key.model_dump(), tensors=rows, retention=retention)
+        return self._track(FillLease(self, reply, _one_fd(fds)))  # type: ignore[return-value]
+
+    def publish(self, key: WeightCacheKey, tensors: Mapping[str, torch.Tensor], *, retention: str = "cached") -> str:
+        """Reserve, copy `tensors` in, commit. Returns the new entry's name."""
+        fill = self.reserve(key, {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()}, retention=retention)
+        try:
+            views = fill.tensors
+            for name, t in tensors.items():
+                views[name].copy_(t)
+            del views
+            return fill.commit()
+        except BaseException:
+            fill.abort()
+            raise
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the connection. The daemon ends this connection's leases; mapped views stay usable."""
+        self._stop.set()
+        if self._heartbeat_thread is not None and self._heartbeat_thread is not threading.current_thread():
+            self._heartbeat_thread.join(timeout=5)
+        with self._cond:
+            self._leases.clear()
+        try:
+            self.sock.close()
+        finally:
+            for fd in self._decoder.take_fds():
+                os.close(fd)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _target(target: str | WeightCacheKey) -> dict[str, Any]:
+    if isinstance(target, WeightCacheKey):
+        return {"key": target.model_dump()}
+    return {"name": target}
+
+
+def _one_fd(fds: list[int]) -> int:
+    if len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise ProtocolError(f"expected one arena descriptor, got {len(fds)}")
+    return fds[0]

@@ -1,0 +1,114 @@
+"""Fill an arena from a checkpoint in worker threads, off the event loop, with progress.
+
+The plan (from `Checkpoint.copy_plan`) is a list of file ranges -> arena offsets, large tensors
+already split into chunks. Worker threads execute it through the arena's writer (host: preadv
+straight into the shared mapping; CUDA: pinned staging + async copies). Progress is a byte
+counter the event loop reads; cancellation is checked between chunks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from wcd.arenas.base import Arena
+from wcd.checkpoint import Checkpoint, CopyOp
+from wcd.errors import LoadFailed
+from wcd.manifest import Manifest
+
+
+class Cancelled(Exception):
+    """The load was cancelled (the entry was evicted while loading)."""
+
+
+@dataclass
+class Progress:
+    total: int
+    done: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.done += n
+
+
+def default_workers() -> int:
+    return max(2, min(8, (os.cpu_count() or 2) * 2))
+
+
+def fill_arena(
+    arena: Arena, checkpoint: Checkpoint, ops: list[CopyOp], progress: Progress,
+    cancelled: Callable[[], bool] = lambda: False, workers: int | None = None,
+) -> None:
+    """Blocking: run every copy op, `workers` at a time. Call it from a thread, never the loop."""
+    fds: dict[str, int] = {}
+    writer = arena.writer()
+    try:
+        for h in checkpoint.headers:
+            fds[str(h.file)] = os.open(h.file, os.O_RDONLY | os.O_CLOEXEC)
+
+        failed = threading.Event()  # one failed chunk stops the others early
+
+        def run(op: CopyOp) -> None:
+            if failed.is_set() or cancelled():
+                raise Cancelled()
+            try:
+                writer.copy_from_file(fds[str(op.file)], op.file_offset, op.arena_offset, op.nbytes)
+            except BaseException:
+                failed.set()
+                raise
+            progress.add(op.nbytes)
+
+        with ThreadPoolExecutor(workers or default_workers(), thread_name_prefix="wcd-load") as pool:
+            futures = [pool.submit(run, op) for op in ops]
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        real = [e for e in errors if not isinstance(e, Cancelled)]
+        if real:
+            raise real[0]
+        if errors:
+            raise Cancelled()
+    except OSError as e:
+        raise LoadFailed(f"{checkpoint.path}: read failed: {e.strerror or e}") from None
+    finally:
+        writer.close()
+        for fd in fds.values():
+            os.close(fd)
+
+
+DIGEST_CHUNK = 64 << 20
+
+
+def _digest_ranges(read: Callable[[int, int], bytes], ranges: list[tuple[str, int, int]]) -> dict[str, str]:
+    """blake2b of each named (offset, nbytes) range, hashed in parallel (hashlib releases the GIL)."""
+
+    def one(item: tuple[str, int, int]) -> tuple[str, str]:
+        name, offset, nbytes = item
+        h = hashlib.blake2b(digest_size=16)
+        for pos in range(0, nbytes, DIGEST_CHUNK):
+            h.update(read(offset + pos, min(DIGEST_CHUNK, nbytes - pos)))
+        return name, h.hexdigest()
+
+    with ThreadPoolExecutor(default_workers(), thread_name_prefix="wcd-digest") as pool:
+        return dict(pool.map(one, ranges))
+
+
+def digest_arena(arena: Arena, manifest: Manifest) -> dict[str, str]:
+    """Per-tensor content digest of what is resident in an arena (blocking)."""
+    return _digest_ranges(arena.read, [(t.name, t.offset, t.nbytes) for t in manifest.tensors])
+
+
+def digest_checkpoint(checkpoint: Checkpoint) -> dict[str, str]:
+    """Per-tensor content digest of a checkpoint on disk (blocking)."""
+    out: dict[str, str] = {}
+    for h in checkpoint.headers:
+        fd = os.open(h.file, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            out.update(_digest_ranges(lambda off, n: os.pread(fd, n, off),
+                                      [(t.name, t.begin, t.end - t.begin) for t in h.tensors]))
+        finally:
+            os.close(fd)
+    return out

@@ -1,0 +1,108 @@
+"""Torch tensor views over a mapped arena: the client side of attach and publish.
+
+One mapping per arena, one base tensor per dtype, then one `as_strided` per tensor (about
+1 µs each): attach cost is dominated by neither Python nor the tensor count. Host arenas are
+mapped MAP_PRIVATE for read leases (stray writes stay private) and MAP_SHARED for fill leases.
+This module imports torch; the daemon never imports it.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from typing import Any
+
+import torch
+
+from wcd.errors import BadRequest
+from wcd.manifest import Manifest
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+    "F8_E5M2": torch.float8_e5m2, "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+    "I16": torch.int16, "U16": torch.uint16, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I32": torch.int32, "U32": torch.uint32, "F32": torch.float32,
+    "I64": torch.int64, "U64": torch.uint64, "F64": torch.float64, "C64": torch.complex64,
+}
+if hasattr(torch, "float8_e8m0fnu"):
+    TORCH_DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
+WIRE_DTYPES: dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
+
+
+def wire_dtype(dtype: torch.dtype) -> str:
+    try:
+        return WIRE_DTYPES[dtype]
+    except KeyError:
+        raise BadRequest(f"torch dtype {dtype} has no safetensors equivalent") from None
+
+
+def build_views(base: torch.Tensor, manifest: Manifest) -> dict[str, torch.Tensor]:
+    """Tensor views of a uint8 `base` covering the arena, one per manifest entry, no copies."""
+    typed: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+    for t in manifest.tensors:
+        tb = typed.get(t.dtype)
+        if tb is None:
+            dt = TORCH_DTYPES.get(t.dtype)
+            if dt is None:
+                raise BadRequest(f"tensor {t.name!r}: dtype {t.dtype} is not available in this torch")
+            # Arena sizes are multiples of 256, so every itemsize divides them.
+            tb = typed[t.dtype] = base.view(dt)
+        out[t.name] = tb.as_strided(t.shape, t.strides, t.offset // tb.element_size())
+    return out
+
+
+class MappedArena:
+    """A client's mapping of one arena. Views keep the mapping alive; `close` drops our references."""
+
+    def __init__(self, base: torch.Tensor, manifest: Manifest, keepalive: Any) -> None:
+        self.base = base
+        self.manifest = manifest
+        self.tensors = build_views(base, manifest)
+        self._keepalive = keepalive
+
+    def close(self) -> None:
+        """Forget the views. Host memory is unmapped when the last view held elsewhere dies."""
+        self._unmap(strict=False)
+
+    def unmap_writable(self) -> None:
+        """Unmap a fill mapping now (needed before commit). Raises if views are still referenced."""
+        self._unmap(strict=True)
+
+    def _unmap(self, strict: bool) -> None:
+        self.tensors = {}
+        self.base = None  # type: ignore[assignment]
+        keepalive, self._keepalive = self._keepalive, None
+        if keepalive is None:
+            return
+        try:
+            keepalive.close()
+        except BufferError:  # an mmap whose views are still referenced somewhere
+            if strict:
+                self._keepalive = keepalive
+                raise BadRequest(
+                    "fill tensors are still referenced: drop every reference to fill.tensors before commit()"
+                ) from None
+
+
+def map_arena(arena: dict[str, Any], fd: int, manifest: Manifest, writable: bool) -> MappedArena:
+    """Map an exported arena fd. Takes ownership of `fd` (closed once mapped)."""
+    try:
+        kind = arena.get("kind")
+        size = int(arena["size"])
+        if size < manifest.size:
+            raise BadRequest(f"arena of {size} bytes is smaller than its manifest ({manifest.size})")
+        if kind == "host":
+            flags = mmap.MAP_SHARED if writable else mmap.MAP_PRIVATE
+            mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            base = torch.frombuffer(mm, dtype=torch.uint8)
+            return MappedArena(base, manifest, mm)
+        if kind == "cuda":
+            from wcd.arenas.cuda_map import map_cuda_arena
+
+            base, mapping = map_cuda_arena(fd, size, str(arena["device"]), writable)
+            return MappedArena(base, manifest, mapping)
+        raise BadRequest(f"unknown arena kind {kind!r}")
+    finally:
+        os.close(fd)
