@@ -147,7 +147,8 @@ class Client:
             raise DaemonUnavailable(f"daemon not running at {self.path} (is wcd@NAME.socket started?)") from None
         except PermissionError:
             self.sock.close()
-            raise PermissionDenied(f"{self.path}: permission denied (join the socket's group, usually 'wcd')") from None
+            raise PermissionDenied(f"{self.path}: permission denied (join the socket's group, usually 'wcd')",
+                                   {"stage": "connect"}) from None
         except OSError as e:
             self.sock.close()
             raise DaemonUnavailable(f"cannot connect to {self.path}: {e.strerror}") from None
@@ -178,7 +179,9 @@ class Client:
             try:
                 self.sock.sendall(data)
             except OSError as e:
-                self._fail(DaemonUnavailable(f"connection to {self.path} lost ({e.strerror or e})"))
+                # The daemon may have said why before closing (e.g. permission_denied at accept).
+                self._fail(self._parting_error() or
+                           DaemonUnavailable(f"connection to {self.path} lost ({e.strerror or e})"))
         reply, fds = self._wait(req_id)
         if not reply.get("ok"):
             for fd in fds:
@@ -236,6 +239,22 @@ class Client:
                     os.close(fd)
                 self._fail(DaemonUnavailable(f"the daemon at {self.path} closed the connection"))
             self._decoder.feed(data, fds)
+
+    def _parting_error(self) -> WcdError | None:
+        """A stream-level error frame the daemon sent before closing, if one is waiting to be read."""
+        with self._cond:
+            if self._reading:
+                return None
+            self._reading = True
+        try:
+            self._read_some()
+        except WcdError:
+            pass
+        finally:
+            with self._cond:
+                self._reading = False
+        reply = self._replies.pop(None, None)
+        return from_wire(reply[0].get("error")) if reply else None
 
     def _fail(self, err: WcdError) -> Any:
         with self._cond:

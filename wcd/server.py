@@ -209,12 +209,13 @@ class Server:
     async def startup(self) -> None:
         self.loop = asyncio.get_running_loop()
         self.cache = Cache(self._budgets(), self.config.daemon.lease_ttl_s)
-        self._listen()
         for sig, handler in ((signal.SIGTERM, self.stop), (signal.SIGINT, self.stop)):
             self.loop.add_signal_handler(sig, handler)
         self._spawn(self._expire_leases())
-        for model in self.config.models:
-            self._spawn(self._load_quietly(model))
+        # Admit configured models before serving, so an engine that connects at once waits for
+        # its model instead of getting not_found; the copies themselves run in the background.
+        await asyncio.gather(*(self._admit_configured(m) for m in self.config.models))
+        self._listen()
         log.info("wcd %s serving %s (devices: %s)", __version__, self._where(), ", ".join(self.cache.budgets))
 
     async def serve(self) -> None:
@@ -392,41 +393,38 @@ class Server:
 
     # -- loading ----------------------------------------------------------------------------
 
-    async def _load_quietly(self, model: ModelConfig) -> None:
+    async def _admit_configured(self, model: ModelConfig) -> None:
         try:
-            await self._fill(await self._admit_load(model.name, model.path, model.device, model.retention, "config"))
+            entry = await self._admit_load(model.name, model.path, model.device, model.retention, "config")
         except WcdError as e:
-            log.error("loading %s failed: %s", model.name, e.message)
+            log.error("cannot load %s: %s", model.name, e.message)
+            return
+        self._spawn(self._fill(entry)).add_done_callback(_log_failure)
 
     async def _admit_load(self, name: str, path: Path, device: str, retention: Any, origin: Any) -> Entry:
-        """Read the checkpoint's headers, fingerprint it, and admit an entry (state loading) with its arena."""
+        """Read the checkpoint's headers, fingerprint it, and admit an entry (state loading)."""
         canonical = self.canonical_device(device)
-        backend = backend_for(canonical)
         ckpt = await asyncio.to_thread(Checkpoint.open, path)
         fingerprint = await asyncio.to_thread(fingerprint_checkpoint, ckpt.path)
         manifest = ckpt.manifest()
         key = WeightCacheKey(model=name, path=str(ckpt.path), fingerprint=fingerprint, device=canonical)
-        entry, victims = self.cache.admit(name, key, manifest, backend.arena_size(manifest.size, canonical),
+        entry, victims = self.cache.admit(name, key, manifest, backend_for(canonical).arena_size(manifest.size, canonical),
                                           retention, origin)
         self._reclaim(victims)
         self._ready[name] = asyncio.Event()
         self._checkpoints[name] = ckpt
-        try:
-            entry.arena = await asyncio.to_thread(backend.create, canonical, entry.nbytes, name)
-        except BaseException:
-            self._checkpoints.pop(name, None)
-            self._reclaim(self.cache.load_failed(entry))
-            raise
         return entry
 
     async def _fill(self, entry: Entry) -> Entry:
-        """Copy the checkpoint into the entry's arena in worker threads, then make it ready."""
+        """Allocate the entry's arena and copy the checkpoint in from worker threads, then make it ready."""
         ckpt = self._checkpoints.pop(entry.name)
         manifest = entry.manifest
         log.info("loading %s: %s in %d tensors from %s to %s", entry.name, _human(manifest.nbytes),
                  len(manifest.tensors), ckpt.path, entry.device)
         started = time.monotonic()
         try:
+            entry.arena = await asyncio.to_thread(backend_for(entry.device).create, entry.device, entry.nbytes,
+                                                  entry.name)
             await asyncio.to_thread(fill_arena, entry.arena, ckpt, ckpt.copy_plan(manifest), _EntryProgress(entry),
                                     lambda: entry.state == "evicting",
                                     self.config.daemon.load_workers or default_workers())

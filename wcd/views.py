@@ -8,6 +8,7 @@ This module imports torch; the daemon never imports it.
 
 from __future__ import annotations
 
+import gc
 import mmap
 import os
 from typing import Any
@@ -78,8 +79,13 @@ class MappedArena:
             return
         try:
             keepalive.close()
-        except BufferError:  # an mmap whose views are still referenced somewhere
-            if strict:
+        except BufferError:  # an mmap whose views are still referenced: it unmaps when they die
+            if not strict:
+                return
+            gc.collect()  # views caught in reference cycles are not really in use
+            try:
+                keepalive.close()
+            except BufferError:
                 self._keepalive = keepalive
                 raise BadRequest(
                     "fill tensors are still referenced: drop every reference to fill.tensors before commit()"
@@ -96,7 +102,9 @@ def map_arena(arena: dict[str, Any], fd: int, manifest: Manifest, writable: bool
         if kind == "host":
             flags = mmap.MAP_SHARED if writable else mmap.MAP_PRIVATE
             mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            base = torch.frombuffer(mm, dtype=torch.uint8)
+            # Through a memoryview, the views hold a buffer export on the mmap, so mm.close() refuses
+            # (BufferError) while any view is alive instead of unmapping memory under it.
+            base = torch.frombuffer(memoryview(mm), dtype=torch.uint8)
             return MappedArena(base, manifest, mm)
         if kind == "cuda":
             from wcd.arenas.cuda_map import map_cuda_arena

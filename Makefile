@@ -1,0 +1,40 @@
+# Developer entry points. `make demo` and `make test` set up everything they need themselves.
+#
+# The virtualenv is cached outside the checkout, keyed on the dependency spec (pyproject.toml and
+# the torch pin), so a fresh clone reuses it; the checkout itself is (re)installed editable on
+# every run, which takes a second.
+
+PYTHON ?= python3
+# Any torch >= 2.4 works; this pin matches the CPU wheel available on our CI machines.
+TORCH ?= torch==2.13.0
+SPEC := $(shell cat pyproject.toml | sha256sum | cut -c1-12)-$(shell echo '$(TORCH)' | sha256sum | cut -c1-8)
+VENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/wcd/venv-$(SPEC)
+BIN := $(VENV)/bin
+
+.PHONY: venv demo test test-unit test-integration bench clean-venv
+
+$(VENV)/.ready:
+	rm -rf "$(VENV)"
+	$(PYTHON) -m venv "$(VENV)"
+	"$(BIN)/python" -m pip install -q --disable-pip-version-check "setuptools>=68" wheel "$(TORCH)"
+	"$(BIN)/python" -m pip install -q --disable-pip-version-check ".[test]"
+	"$(BIN)/python" -m pip uninstall -q -y wcd
+	touch "$@"
+
+venv: $(VENV)/.ready
+	"$(BIN)/python" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+
+demo: venv
+	"$(BIN)/wcd" demo
+
+test: venv
+	"$(BIN)/python" -m pytest -q -p no:cacheprovider tests
+
+test-unit: venv
+	"$(BIN)/python" -m pytest -q -p no:cacheprovider tests/unit
+
+bench: venv
+	"$(BIN)/python" bench/bench_host.py
+
+clean-venv:
+	rm -rf "$(VENV)"

@@ -1,0 +1,104 @@
+"""The CLIs as a user runs them: exit codes, one-line errors, tables and JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.test_daemon import model_config
+
+BIN = Path(sys.executable).parent
+
+
+def run(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(BIN / args[0]), *args[1:]], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def one_line_error(out: subprocess.CompletedProcess[str], prog: str) -> str:
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: "), out.stderr
+    assert "Traceback" not in out.stderr
+    return lines[0]
+
+
+def test_wcdctl_against_a_running_daemon(make_daemon, checkpoint):
+    path, tensors = checkpoint
+    d = make_daemon(model_config(path))
+    sock = str(d.socket)
+    with d.client() as c:
+        lease = c.acquire("m")
+        st = run("wcdctl", "--socket", sock, "status")
+        assert st.returncode == 0, st.stderr
+        assert "instance wcd" in st.stdout and "host memory" in st.stdout and "m  " in st.stdout
+        doc = json.loads(run("wcdctl", "--socket", sock, "--json", "status").stdout)
+        [entry] = doc["entries"]
+        assert {k: entry[k] for k in ("name", "state", "device", "leases")} == {
+            "name": "m", "state": "ready", "device": "cpu", "leases": 1}
+        assert entry["bytes"] >= sum(t.numel() * t.element_size() for t in tensors.values())
+        assert doc["devices"][0]["used"] == entry["bytes"]
+        listed = json.loads(run("wcdctl", "--json", "list", env={"WCD_SOCKET": sock}).stdout)
+        assert [e["name"] for e in listed["entries"]] == ["m"]
+        leases = json.loads(run("wcdctl", "--socket", sock, "--json", "leases").stdout)["leases"]
+        assert [x["id"] for x in leases] == [lease.id] and leases[0]["pid"] == os.getpid()
+        assert "µs round trip" in run("wcdctl", "--socket", sock, "ping").stdout
+        assert "wcd_device_used_bytes" in run("wcdctl", "--socket", sock, "metrics").stdout
+        v = run("wcdctl", "--socket", sock, "verify", "m")
+        assert v.returncode == 0 and ": OK" in v.stdout
+        ev = run("wcdctl", "--socket", sock, "evict", "m")
+        assert ev.returncode == 0 and "freed when its 1 lease(s) end" in ev.stdout
+        lease.release()
+        assert "no entries" in run("wcdctl", "--socket", sock, "list").stdout
+        ld = run("wcdctl", "--socket", sock, "load", "m", "--wait")
+        assert ld.returncode == 0 and "m: ready" in ld.stdout
+        ld2 = run("wcdctl", "--socket", sock, "--json", "load", "again", str(path), "--wait")
+        assert json.loads(ld2.stdout)["entry"]["state"] == "ready"
+
+
+def test_wcdctl_errors_are_one_line_with_exit_codes(make_daemon, tmp_path):
+    missing = str(tmp_path / "nothing.sock")
+    out = run("wcdctl", "--socket", missing, "status")
+    assert out.returncode == 3
+    assert "daemon not running at" in one_line_error(out, "wcdctl")
+    out = run("wcdctl", "status", env={"WCD_SOCKET": ""})
+    assert out.returncode == 2 and "WCD_SOCKET" in one_line_error(out, "wcdctl")
+    assert run("wcdctl", "--socket", missing, "frobnicate").returncode == 2
+    d = make_daemon()
+    out = run("wcdctl", "--socket", str(d.socket), "evict", "ghost")
+    assert out.returncode == 1 and "no entry named 'ghost'" in one_line_error(out, "wcdctl")
+    out = run("wcdctl", "--socket", str(d.socket), "load", "ghost")
+    assert out.returncode == 1 and "no configured model named 'ghost'" in one_line_error(out, "wcdctl")
+    out = run("wcdctl", "--socket", str(d.socket), "load", "bad", str(tmp_path / "missing.safetensors"))
+    assert out.returncode == 1 and "no such file or directory" in one_line_error(out, "wcdctl")
+
+
+@pytest.mark.parametrize(("config", "expected"), [
+    ("[daemon]\nlease_ttl_s = 'soon'\n", "daemon.lease_ttl_s: Input should be a valid number"),
+    ("[daemon]\nsockett = '/x'\n", "daemon.sockett: unknown key"),
+    ("[[models]]\nname = 'm'\npath = '/no/such/model'\n", "models.0.path: /no/such/model does not exist"),
+    ("[daemon]\nbudget = { cpu = 'lots' }\n", "daemon.budget: cpu: cannot read size 'lots'"),
+    ("[daemon\n", "not valid TOML"),
+])
+def test_wcd_serve_bad_config_is_one_line_exit_2(tmp_path, config, expected):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text(config)
+    out = run("wcd", "serve", "--config", str(cfg))
+    assert out.returncode == 2
+    assert expected in one_line_error(out, "wcd")
+
+
+def test_wcd_serve_missing_config(tmp_path):
+    out = run("wcd", "serve", "--config", str(tmp_path / "nope.toml"))
+    assert out.returncode == 2 and "file not found" in one_line_error(out, "wcd")
+
+
+def test_wcd_demo_runs_and_proves_bit_identical():
+    out = run("wcd", "demo", timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "bit-identical: yes, all 300 tensors" in out.stdout
+    assert "engine start attached from wcd" in out.stdout

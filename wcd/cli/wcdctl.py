@@ -1,0 +1,172 @@
+"""`wcdctl`: inspect and steer a running daemon. Parsing and printing only.
+
+Exit codes: 0 ok, 1 the daemon replied with an error, 2 usage, 3 daemon unreachable. Every
+failure is one line on stderr; `--json` prints exactly one JSON document on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from wcd.cli import die
+from wcd.client import Client
+from wcd.errors import DaemonUnavailable, PermissionDenied, WcdError
+
+PROG = "wcdctl"
+EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE = 1, 2, 3
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=PROG, description="Inspect and control a wcd daemon")
+    parser.add_argument("--socket", default=os.environ.get("WCD_SOCKET"),
+                        help="daemon socket (default: $WCD_SOCKET)")
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("status", help="daemon, devices, entries and loads in progress")
+    sub.add_parser("list", help="resident entries")
+    sub.add_parser("leases", help="live leases")
+    sub.add_parser("ping", help="round-trip time")
+    sub.add_parser("metrics", help="Prometheus metrics")
+    load = sub.add_parser("load", help="load a configured model, or a checkpoint path (root/daemon user)")
+    load.add_argument("name")
+    load.add_argument("path", nargs="?")
+    load.add_argument("--device")
+    load.add_argument("--retention", choices=["pinned", "cached", "ephemeral"])
+    load.add_argument("--wait", action="store_true", help="return when the load is done")
+    for cmd, text in (("evict", "drop an entry (after its leases end)"),
+                      ("verify", "recompute an entry's content digest and compare")):
+        sub.add_parser(cmd, help=text).add_argument("name")
+    args = parser.parse_args(argv)
+    if not args.socket:
+        die(PROG, "no daemon socket: pass --socket PATH or set WCD_SOCKET (e.g. /run/wcd/NAME.sock)", EXIT_USAGE)
+    try:
+        with Client(args.socket, name=f"wcdctl pid {os.getpid()}", timeout=None if args.command in
+                    ("load", "verify") else 30, heartbeats=False) as client:
+            result = _run(client, args)
+    except DaemonUnavailable as e:
+        die(PROG, e.message, EXIT_UNREACHABLE)
+    except PermissionDenied as e:
+        die(PROG, e.message, EXIT_UNREACHABLE if e.details.get("stage") == "connect" else EXIT_ERROR)
+    except WcdError as e:
+        die(PROG, f"{e.message} [{e.code}]", EXIT_ERROR)
+    except KeyboardInterrupt:
+        die(PROG, "interrupted", 130)
+    if args.json:
+        json.dump(result, sys.stdout, indent=2, sort_keys=True)
+        sys.stdout.write("\n")
+    else:
+        print(_render(args.command, result))
+    if args.command == "verify" and not result.get("match"):
+        return EXIT_ERROR
+    return 0
+
+
+def _run(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    cmd = args.command
+    if cmd == "status":
+        return _strip(client.status())
+    if cmd == "list":
+        return {"entries": client.list()}
+    if cmd == "leases":
+        return {"leases": client.list_leases()}
+    if cmd == "ping":
+        n, started = 10, time.perf_counter()
+        for _ in range(n):
+            client.ping()
+        return {"rtt_us": round((time.perf_counter() - started) / n * 1e6, 1), "server": client.server["server"]}
+    if cmd == "metrics":
+        return {"text": client.metrics()}
+    if cmd == "load":
+        return {"entry": client.load(args.name, args.path, device=args.device, retention=args.retention,
+                                     wait=args.wait)}
+    if cmd == "evict":
+        return _strip(client.evict(args.name))
+    return _strip(client.verify(args.name))
+
+
+def _strip(reply: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in reply.items() if k not in ("id", "ok")}
+
+
+# -- human-readable output --------------------------------------------------------------------
+
+
+def _render(cmd: str, r: dict[str, Any]) -> str:
+    if cmd == "status":
+        return _status(r)
+    if cmd == "list":
+        return _entries(r["entries"])
+    if cmd == "leases":
+        rows = [[str(x["id"]), x["entry"], x["kind"], str(x["pid"]), str(x["uid"]), f"{x['expires_in_s']:.1f}s"]
+                for x in r["leases"]]
+        return _table(["LEASE", "ENTRY", "KIND", "PID", "UID", "EXPIRES IN"], rows) if rows else "no leases"
+    if cmd == "ping":
+        return f"{r['server']}: {r['rtt_us']} µs round trip"
+    if cmd == "metrics":
+        return str(r["text"]).rstrip("\n")
+    if cmd == "load":
+        e = r["entry"]
+        return f"{e['name']}: {e['state']} ({_size(e['bytes'])}, {e['tensors']} tensors on {e['device']})"
+    if cmd == "evict":
+        if r["state"] == "evicted":
+            return f"{r['entry']}: evicted"
+        return f"{r['entry']}: {r['state']}; freed when its {r['leases']} lease(s) end"
+    verdict = "OK" if r["match"] else f"MISMATCH in {len(r['mismatched'])} tensor(s): {', '.join(r['mismatched'])}"
+    return f"{r['entry']}: {verdict} ({r['tensors']} tensors against {r['against']}; digest {r['digest']})"
+
+
+def _status(r: dict[str, Any]) -> str:
+    lines = [f"wcd {r['version']}  instance {r['instance']}  pid {r['pid']}  "
+             f"up {_duration(r['uptime_s'])}  {r['socket']}",
+             f"{len(r['entries'])} entries, {r['leases']} leases, {r['connections']} connections, "
+             f"lease TTL {r['lease_ttl_s']:g}s", ""]
+    lines.append(_table(["DEVICE", "NAME", "TOTAL", "FREE", "BUDGET", "USED BY WCD"], [
+        [d["device"], d["name"], _size(d["total"]), _size(d["free"]), _size(d["budget"]), _size(d["used"])]
+        for d in r["devices"]]))
+    lines += ["", _entries(r["entries"])]
+    return "\n".join(lines)
+
+
+def _entries(entries: list[dict[str, Any]]) -> str:
+    if not entries:
+        return "no entries"
+    rows = []
+    for e in entries:
+        state = e["state"]
+        p = e["progress"]
+        if state == "loading" and p["total"]:
+            state += f" {100 * p['done'] // p['total']}% {_size(p['done'])}/{_size(p['total'])}"
+        rows.append([e["name"], state, e["device"], _size(e["bytes"]), str(e["tensors"]), str(e["leases"]),
+                     e["retention"], e["origin"]])
+    return _table(["ENTRY", "STATE", "DEVICE", "SIZE", "TENSORS", "LEASES", "RETENTION", "ORIGIN"], rows)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows])
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _duration(s: float) -> str:
+    s = int(s)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
