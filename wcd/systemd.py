@@ -10,9 +10,11 @@ from __future__ import annotations
 import os
 import socket
 import time
+import warnings
 
 import sdnotify
 
+SOCKET_NAME = "wcd"  # FileDescriptorName= of wcd@.socket: tells the listener from fd-store entries
 LISTEN_FDS_START = 3  # SD_LISTEN_FDS_START: passed fds are 3, 4, ... in LISTEN_FDNAMES order
 FDNAME_MAX = 255  # systemd's fdname_is_valid(); longer or invalid names are silently ignored
 SCM_MAX_FD = 253  # the kernel refuses (EINVAL) more fds than this in one message
@@ -74,7 +76,10 @@ class Notifier:
         self._notifier: sdnotify.SystemdNotifier | None = None
         if self.address is not None:
             try:
-                self._notifier = sdnotify.SystemdNotifier(debug=True)
+                # On a failed connect sdnotify drops its socket unclosed; the GC closes it.
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", ResourceWarning)
+                    self._notifier = sdnotify.SystemdNotifier(debug=True)
             except OSError as e:
                 raise SystemdError(f"cannot connect to NOTIFY_SOCKET={self.address} ({e.strerror})") from None
 
@@ -153,7 +158,8 @@ def _send_with_fds(message: str, fds: list[int]) -> None:
     target = "\0" + address[1:] if address.startswith("@") else address
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-            socket.send_fds(sock, [message.encode()], fds, address=target)
+            sock.connect(target)  # socket.send_fds ignores its address argument (CPython 3.11)
+            socket.send_fds(sock, [message.encode()], fds)
     except OSError as e:
         head = message.partition("\n")[0]
         raise SystemdError(f"sd_notify {head!r} with {len(fds)} fds to {address} failed ({e.strerror})") from None
@@ -180,6 +186,8 @@ def _check_fdname(name: str) -> None:
         raise ValueError(
             f"invalid fd store name {name!r}: use 1-{FDNAME_MAX} printable ASCII characters without ':'"
         )
+    if name == SOCKET_NAME:
+        raise ValueError(f"invalid fd store name {name!r}: it names the listening socket after a restart")
 
 
 def _env_int(var: str) -> int | None:
