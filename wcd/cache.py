@@ -56,6 +56,7 @@ class Entry:
     arena: Any = None  # opaque to the cache: the server's arena handle
     done_bytes: int = 0  # load progress
     acquires: int = 0
+    notes: list[str] = field(default_factory=list)  # shown in status, e.g. "checkpoint missing"
 
     @property
     def device(self) -> str:
@@ -77,6 +78,7 @@ class Entry:
             "tensors": len(self.manifest.tensors),
             "progress": {"done": self.done_bytes, "total": self.manifest.nbytes},
             "acquires": self.acquires,
+            "notes": self.notes,
             "last_used": self.last_used,
             "key": self.key.model_dump(),
         }
@@ -251,17 +253,21 @@ class Cache:
             raise BadRequest(f"lease {lease_id} is a fill lease: commit or abort it")
         return self._end(lease)
 
-    def commit(self, owner: Hashable, lease_id: int) -> Entry:
+    def commit(self, owner: Hashable, lease_id: int) -> tuple[Entry, list[Entry]]:
+        """Make a filled entry ready. If it was evicted while filling, it is dropped instead:
+        returns (entry, dropped entries) and the caller reports the eviction."""
         lease = self._owned(owner, lease_id)
         if lease.kind != "fill":
             raise BadRequest(f"lease {lease_id} is a read lease: only fill leases commit")
         entry = lease.entry
+        if entry.state == "evicting":
+            return entry, self._end(lease)
         del self.leases[lease.id]
         del entry.leases[lease.id]
         entry.state = "ready"
         entry.done_bytes = entry.manifest.nbytes
         entry.last_used = self.clock()
-        return entry
+        return entry, []
 
     def abort(self, owner: Hashable, lease_id: int) -> list[Entry]:
         lease = self._owned(owner, lease_id)
@@ -276,7 +282,7 @@ class Cache:
         entry.last_used = self.clock()
         if entry.name not in self.entries:
             return []
-        if lease.kind == "fill" and entry.state == "filling":
+        if lease.kind == "fill" and entry.state in ("filling", "evicting"):
             return [self._drop(entry)]
         if not entry.leases and (entry.state == "evicting" or (entry.retention == "ephemeral" and entry.state == "ready")):
             return [self._drop(entry)]

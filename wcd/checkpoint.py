@@ -76,8 +76,8 @@ def read_header(file: Path) -> Header:
         raise LoadFailed(f"{file}: cannot read: {e.strerror}") from None
     try:
         doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise LoadFailed(f"{file}: safetensors header is not valid JSON ({e})") from None
+    except (ValueError, RecursionError) as e:  # bad JSON, bad UTF-8, absurd integers, deep nesting
+        raise LoadFailed(f"{file}: safetensors header is not valid JSON ({str(e)[:200]})") from None
     if not isinstance(doc, dict):
         raise LoadFailed(f"{file}: safetensors header is not a JSON object")
     data_start = 8 + n
@@ -88,8 +88,8 @@ def read_header(file: Path) -> Header:
         try:
             dtype, shape, (b, e) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
             nbytes = tensor_nbytes(name, dtype, shape)
-        except WcdError as err:
-            raise LoadFailed(f"{file}: {err.message}") from None
+        except WcdError as bad:
+            raise LoadFailed(f"{file}: {bad.message}") from None
         except (KeyError, TypeError, ValueError):
             raise LoadFailed(f"{file}: tensor {name!r} has a malformed header entry") from None
         if type(b) is not int or type(e) is not int or not 0 <= b <= e or e - b != nbytes:

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, ValidationInfo, field_validator
 
 from wcd.errors import ConfigError
 from wcd.key import HOST_DEVICE
@@ -41,7 +41,10 @@ def parse_size(value: int | str, total: int | None = None) -> int:
         raise ValueError(f"expected bytes with a unit (\"64GiB\") or a fraction (\"90%\"), got {value!r}")
     s = value.strip()
     if s.endswith("%"):
-        pct = float(s[:-1])
+        try:
+            pct = float(s[:-1])
+        except ValueError:
+            raise ValueError(f"cannot read fraction {value!r}: use a percentage like \"90%\"") from None
         if not 0 < pct <= 100:
             raise ValueError(f"fraction {value!r} must be in (0%, 100%]")
         if total is None:
@@ -53,7 +56,7 @@ def parse_size(value: int | str, total: int | None = None) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
-Size = Annotated[int | str, Field(union_mode="left_to_right")]
+Size = Annotated[StrictInt | str, Field(union_mode="left_to_right")]
 
 
 class DaemonConfig(BaseModel):
@@ -101,8 +104,10 @@ class ModelConfig(BaseModel):
 
     @field_validator("path")
     @classmethod
-    def _exists(cls, v: Path) -> Path:
-        if not v.exists():
+    def _exists(cls, v: Path, info: ValidationInfo) -> Path:
+        # After a restart with weights kept in systemd's fd store, a checkpoint may be gone on
+        # purpose: the daemon then serves the kept copy (check_paths=False).
+        if not v.exists() and (info.context or {}).get("check_paths", True):
             raise ValueError(f"{v} does not exist")
         return v.resolve()
 
@@ -113,20 +118,21 @@ class Config(BaseModel):
     daemon: DaemonConfig = DaemonConfig()
     models: list[ModelConfig] = []
 
-    @model_validator(mode="after")
-    def _unique(self) -> Config:
-        names = [m.name for m in self.models]
+    @field_validator("models")
+    @classmethod
+    def _unique(cls, models: list[ModelConfig]) -> list[ModelConfig]:
+        names = [m.name for m in models]
         dup = {n for n in names if names.count(n) > 1}
         if dup:
             raise ValueError(f"model names must be unique; repeated: {', '.join(sorted(dup))}")
-        return self
+        return models
 
 
 def instance_config_path(instance: str) -> Path:
     return CONFIG_DIR / f"{instance}.toml"
 
 
-def load_config(path: Path, instance: str | None = None) -> Config:
+def load_config(path: Path, instance: str | None = None, check_paths: bool = True) -> Config:
     """Read and validate a TOML config. Raises `ConfigError` with one line naming the problem."""
     try:
         text = path.read_text()
@@ -139,7 +145,7 @@ def load_config(path: Path, instance: str | None = None) -> Config:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config {path}: not valid TOML ({e})") from None
     try:
-        config = Config.model_validate(data)
+        config = Config.model_validate(data, context={"check_paths": check_paths})
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "top level"

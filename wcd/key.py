@@ -9,6 +9,7 @@ same header is not served as the old one. No torch here.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Annotated
@@ -41,12 +42,16 @@ class WeightCacheKey(BaseModel):
         """Names of the fields whose values differ, in declaration order."""
         return [f for f in type(self).model_fields if getattr(self, f) != getattr(other, f)]
 
+    def canonical(self) -> str:
+        """The key as JSON with sorted keys: equal keys give equal strings whatever the dict order."""
+        return json.dumps(self.model_dump(), sort_keys=True, separators=(",", ":"))
+
     def digest(self) -> str:
         """A short stable hash of the whole key (used in generated entry names)."""
-        return hashlib.blake2b(self.model_dump_json().encode(), digest_size=8).hexdigest()
+        return hashlib.blake2b(self.canonical().encode(), digest_size=8).hexdigest()
 
     def __hash__(self) -> int:
-        return hash(self.model_dump_json())
+        return hash(self.canonical())
 
 
 def fingerprint_checkpoint(path: str | os.PathLike[str]) -> str:
@@ -73,6 +78,5 @@ def _sample_positions(start: int, end: int) -> list[int]:
     span = end - start
     if span <= SAMPLE_BYTES * SAMPLES_PER_FILE:
         return list(range(start, end, SAMPLE_BYTES))
-    last = end - SAMPLE_BYTES
-    step = (last - start) / (SAMPLES_PER_FILE - 1)
-    return [start + int(i * step) for i in range(SAMPLES_PER_FILE)]
+    last = end - SAMPLE_BYTES  # integer steps: the last window always ends at the file's end
+    return [start + i * (last - start) // (SAMPLES_PER_FILE - 1) for i in range(SAMPLES_PER_FILE)]

@@ -55,9 +55,9 @@ class TensorSpec:
 
 def tensor_nbytes(name: str, dtype: str, shape: Sequence[int]) -> int:
     """Validate one (dtype, shape) and return its size in bytes."""
-    size = DTYPE_SIZES.get(dtype)
+    size = DTYPE_SIZES.get(dtype) if type(dtype) is str else None
     if size is None:
-        raise BadRequest(f"tensor {name!r}: unsupported dtype {dtype!r}", {"tensor": name})
+        raise BadRequest(f"tensor {name!r}: unsupported dtype {dtype!r:.40}", {"tensor": name})
     if len(shape) > MAX_NDIM:
         raise BadRequest(f"tensor {name!r}: {len(shape)} dimensions (max {MAX_NDIM})", {"tensor": name})
     for d in shape:

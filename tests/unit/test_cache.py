@@ -1,0 +1,512 @@
+"""Cache rules (entries, leases, budgets, eviction) as plain logic under a fake clock."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from wcd.cache import Cache, Entry
+from wcd.errors import BadRequest, Busy, KeyMismatch, LeaseExpired, NotFound, OutOfMemory
+from wcd.key import WeightCacheKey
+from wcd.manifest import Manifest
+
+TTL = 10.0
+GIB = 1 << 30
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def tick(self, dt: float = 1.0) -> None:
+        self.now += dt
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def cache(clock: Clock) -> Cache:
+    return Cache({"cpu": 1000, "cuda:0": 500}, TTL, clock=clock)
+
+
+MANIFEST = Manifest.build([("w", "F32", (4, 4)), ("b", "F32", (4,))])
+
+
+def key(model: str, **fields: Any) -> WeightCacheKey:
+    return WeightCacheKey(model=model, **fields)
+
+
+def admit(cache: Cache, name: str, nbytes: int, retention: str = "cached", ready: bool = True,
+          **key_fields: Any) -> Entry:
+    entry, victims = cache.admit(name, key(name, **key_fields), MANIFEST, nbytes, retention, "load")  # type: ignore[arg-type]
+    assert victims == []
+    assert entry.state == "loading"
+    if ready:
+        assert cache.loaded(entry) == []
+    return entry
+
+
+def names(entries: list[Entry]) -> list[str]:
+    return [e.name for e in entries]
+
+
+# -- admission ----------------------------------------------------------------------------------
+
+
+def test_admit_within_budget(cache: Cache, clock: Clock) -> None:
+    a = admit(cache, "a", 400, ready=False)
+    assert (a.state, a.nbytes, a.device, a.created_at, a.origin) == ("loading", 400, "cpu", clock.now, "load")
+    b = admit(cache, "b", 600)  # exactly fills the budget
+    assert b.state == "ready"
+    assert cache.used("cpu") == 1000 and cache.used("cuda:0") == 0
+    assert set(cache.entries) == {"a", "b"}
+
+
+def test_budgets_are_per_device(cache: Cache) -> None:
+    admit(cache, "a", 1000)
+    g = admit(cache, "g", 500, device="cuda:0")
+    assert g.device == "cuda:0"
+    assert (cache.used("cpu"), cache.used("cuda:0")) == (1000, 500)
+
+
+def test_publish_admits_in_filling_state(cache: Cache) -> None:
+    entry, lease, victims = cache.reserve("p", key("p"), MANIFEST, 100, "cached", owner="conn")
+    assert (entry.state, entry.origin, lease.kind, victims) == ("filling", "publish", "fill", [])
+    assert cache.leases == {lease.id: lease} and entry.leases == {lease.id: lease}
+
+
+def test_duplicate_name_is_busy(cache: Cache) -> None:
+    admit(cache, "a", 10)
+    with pytest.raises(Busy, match="named 'a' already exists"):
+        cache.admit("a", key("other"), MANIFEST, 10, "cached", "load")
+
+
+def test_duplicate_key_is_busy(cache: Cache) -> None:
+    admit(cache, "a", 10)
+    with pytest.raises(Busy, match="this key already exists: 'a'"):
+        cache.admit("a2", key("a"), MANIFEST, 10, "cached", "load")
+    assert set(cache.entries) == {"a"}
+
+
+def test_unknown_device_is_a_bad_request(cache: Cache) -> None:
+    with pytest.raises(BadRequest, match="device 'cuda:7' is not managed"):
+        cache.admit("a", key("a", device="cuda:7"), MANIFEST, 10, "cached", "load")
+    assert cache.entries == {}
+
+
+# -- eviction -----------------------------------------------------------------------------------
+
+
+def test_lru_eviction_order(cache: Cache, clock: Clock) -> None:
+    for n in "abcd":
+        admit(cache, n, 250)
+        clock.tick()
+    lease = cache.acquire(cache.entries["a"], "conn")  # a becomes most recently used
+    clock.tick()
+    cache.release("conn", lease.id)
+    clock.tick()
+    entry, victims = cache.admit("e", key("e"), MANIFEST, 300, "cached", "load")
+    assert names(victims) == ["b", "c"]  # two needed, least recently used first
+    assert set(cache.entries) == {"a", "d", "e"}
+    assert cache.used("cpu") == 800
+    assert cache.stats["evictions"] == 2
+    _, victims = cache.admit("f", key("f"), MANIFEST, 451, "cached", "load")  # e is loading: not a candidate
+    assert names(victims) == ["d", "a"]
+
+
+def test_eviction_takes_only_what_is_needed(cache: Cache, clock: Clock) -> None:
+    for n in "abc":
+        admit(cache, n, 300)
+        clock.tick()
+    _, victims = cache.admit("d", key("d"), MANIFEST, 150, "cached", "load")
+    assert names(victims) == ["a"]
+
+
+def test_eviction_stays_on_the_device(cache: Cache) -> None:
+    admit(cache, "g", 500, device="cuda:0")
+    admit(cache, "c", 900)
+    _, victims = cache.admit("g2", key("g2", device="cuda:0"), MANIFEST, 100, "cached", "load")
+    assert names(victims) == ["g"]
+    assert "c" in cache.entries
+
+
+def test_ephemeral_unleased_ready_entries_are_candidates(cache: Cache) -> None:
+    admit(cache, "e", 800, retention="ephemeral")
+    _, victims = cache.admit("x", key("x"), MANIFEST, 500, "cached", "load")
+    assert names(victims) == ["e"]
+
+
+def test_pinned_leased_loading_filling_never_evicted(cache: Cache, clock: Clock) -> None:
+    admit(cache, "pinned", 200, retention="pinned")
+    leased = admit(cache, "leased", 200)
+    cache.acquire(leased, "conn")
+    admit(cache, "loading", 200, ready=False)
+    cache.reserve("filling", key("filling"), MANIFEST, 200, "cached", owner="conn")
+    clock.tick(5)
+    admit(cache, "free", 100)
+    with pytest.raises(OutOfMemory) as info:
+        cache.admit("big", key("big"), MANIFEST, 301, "cached", "load")
+    assert info.value.details == {"device": "cpu", "need": 301, "budget": 1000, "held": 800}
+    assert set(cache.entries) == {"pinned", "leased", "loading", "filling", "free"}  # nothing evicted on failure
+    assert cache.stats["evictions"] == 0
+    _, victims = cache.admit("fits", key("fits"), MANIFEST, 200, "cached", "load")
+    assert names(victims) == ["free"]
+
+
+def test_evicting_entry_is_not_a_candidate(cache: Cache) -> None:
+    e = admit(cache, "e", 600)
+    cache.acquire(e, "conn")
+    cache.evict(e)
+    with pytest.raises(OutOfMemory):
+        cache.admit("x", key("x"), MANIFEST, 500, "cached", "load")
+
+
+def test_out_of_memory_message() -> None:
+    big = Cache({"cuda:0": 2 * GIB}, TTL, clock=Clock())
+    big.admit("p", key("p", device="cuda:0"), MANIFEST, GIB, "pinned", "load")
+    with pytest.raises(OutOfMemory) as info:
+        big.admit("q", key("q", device="cuda:0"), MANIFEST, 3 * GIB // 2, "cached", "load")
+    text = info.value.message
+    assert "1.50 GiB does not fit on cuda:0" in text
+    assert "budget 2.00 GiB" in text and "1.00 GiB held" in text
+    assert "\n" not in text
+
+
+def test_larger_than_the_budget(cache: Cache) -> None:
+    with pytest.raises(OutOfMemory, match="on cuda:0"):
+        cache.admit("x", key("x", device="cuda:0"), MANIFEST, 501, "cached", "load")
+
+
+def test_evict_unleased_drops_at_once(cache: Cache) -> None:
+    e = admit(cache, "e", 100)
+    assert cache.evict(e) == [e]
+    assert cache.entries == {} and cache.used("cpu") == 0
+    assert cache.stats["evictions"] == 1
+
+
+def test_evict_pinned_on_request(cache: Cache) -> None:
+    e = admit(cache, "p", 100, retention="pinned")
+    assert cache.evict(e) == [e]
+
+
+def test_evict_leased_waits_for_the_last_lease(cache: Cache) -> None:
+    e = admit(cache, "e", 100)
+    l1, l2 = cache.acquire(e, "c1"), cache.acquire(e, "c2")
+    assert cache.evict(e) == []
+    assert e.state == "evicting" and cache.used("cpu") == 100
+    with pytest.raises(Busy, match="evicting"):
+        cache.acquire(e, "c3")
+    assert cache.release("c1", l1.id) == []
+    assert cache.release("c2", l2.id) == [e]
+    assert cache.entries == {} and cache.leases == {}
+
+
+def test_evict_loading_then_loaded_drops(cache: Cache) -> None:
+    e = admit(cache, "e", 100, ready=False)
+    assert cache.evict(e) == []
+    assert e.state == "evicting"
+    assert cache.loaded(e) == [e]
+    assert cache.entries == {}
+
+
+def test_evict_loading_then_load_failed_drops(cache: Cache) -> None:
+    e = admit(cache, "e", 100, ready=False)
+    cache.evict(e)
+    assert cache.load_failed(e) == [e]
+    assert cache.load_failed(e) == []  # already gone
+    assert cache.entries == {}
+
+
+def test_load_failed_ignores_a_stale_entry_of_the_same_name(cache: Cache) -> None:
+    old = admit(cache, "e", 100, ready=False)
+    assert cache.load_failed(old) == [old]
+    new = admit(cache, "e", 100, ready=False)
+    assert cache.load_failed(old) == []
+    assert cache.entries == {"e": new}
+
+
+def test_evict_filling_then_fill_lease_ends_drops(cache: Cache) -> None:
+    entry, lease, _ = cache.reserve("p", key("p"), MANIFEST, 100, "cached", owner="conn")
+    assert cache.evict(entry) == []
+    assert entry.state == "evicting"
+    assert cache.abort("conn", lease.id) == [entry]
+    assert cache.entries == {}
+
+
+def test_evict_filling_then_commit_does_not_resurrect(cache: Cache) -> None:
+    entry, lease, _ = cache.reserve("p", key("p"), MANIFEST, 100, "cached", owner="conn")
+    cache.evict(entry)
+    committed, dropped = cache.commit("conn", lease.id)
+    assert committed is entry and dropped == [entry]
+    assert cache.entries == {} and cache.leases == {} and cache.used("cpu") == 0
+
+
+# -- loading ------------------------------------------------------------------------------------
+
+
+def test_loaded_makes_ready_and_touches(cache: Cache, clock: Clock) -> None:
+    e = admit(cache, "e", 100, ready=False)
+    clock.tick(7)
+    assert cache.loaded(e) == []
+    assert e.state == "ready" and e.last_used == clock.now
+
+
+def test_acquire_requires_ready(cache: Cache) -> None:
+    e = admit(cache, "e", 100, ready=False)
+    with pytest.raises(Busy, match="is loading") as info:
+        cache.acquire(e, "conn")
+    assert info.value.details == {"name": "e", "state": "loading"}
+
+
+# -- leases -------------------------------------------------------------------------------------
+
+
+def test_acquire_creates_a_read_lease(cache: Cache, clock: Clock) -> None:
+    e = admit(cache, "e", 100)
+    lease = cache.acquire(e, "conn", pid=42, uid=1000)
+    assert (lease.kind, lease.owner, lease.pid, lease.uid, lease.entry) == ("read", "conn", 42, 1000, e)
+    assert lease.expires_at == clock.now + TTL
+    assert e.acquires == 1 and e.read_leases == 1 and e.last_used == clock.now
+    assert cache.acquire(e, "conn").id != lease.id
+
+
+def test_lease_expires_after_ttl(cache: Cache, clock: Clock) -> None:
+    e = admit(cache, "e", 100)
+    lease = cache.acquire(e, "conn")
+    assert cache.next_expiry() == clock.now + TTL
+    clock.tick(TTL - 1)
+    assert cache.expire() == ([], [])
+    clock.tick(1)  # exactly at the deadline
+    expired, dropped = cache.expire()
+    assert expired == [lease] and dropped == []
+    assert cache.leases == {} and e.leases == {} and cache.next_expiry() is None
+    assert cache.stats["lease_expiries"] == 1
+    assert "e" in cache.entries  # a cached entry outlives its leases
+
+
+def test_heartbeat_renews(cache: Cache, clock: Clock) -> None:
+    e = admit(cache, "e", 100)
+    lease = cache.acquire(e, "conn")
+    for _ in range(5):
+        clock.tick(TTL * 0.8)
+        assert cache.heartbeat("conn", [lease.id]) == []
+        assert cache.expire() == ([], [])
+    assert lease.expires_at == clock.now + TTL
+    clock.tick(TTL)
+    assert cache.expire()[0] == [lease]
+
+
+def test_heartbeat_reports_lost_ids(cache: Cache, clock: Clock) -> None:
+    e = admit(cache, "e", 100)
+    mine, theirs, gone = cache.acquire(e, "me"), cache.acquire(e, "them"), cache.acquire(e, "me")
+    cache.release("me", gone.id)
+    before = theirs.expires_at
+    clock.tick()
+    assert cache.heartbeat("me", [mine.id, theirs.id, gone.id, 999]) == [theirs.id, gone.id, 999]
+    assert mine.expires_at == clock.now + TTL
+    assert theirs.expires_at == before  # someone else's lease is not renewed
+
+
+def test_expiry_only_ends_leases_past_their_deadline(cache: Cache, clock: Clock) -> None:
+    e = admit(cache, "e", 100)
+    old = cache.acquire(e, "a")
+    clock.tick(5)
+    new = cache.acquire(e, "b")
+    clock.tick(5)
+    assert cache.expire()[0] == [old]
+    assert set(cache.leases) == {new.id}
+
+
+def test_release_unknown_or_foreign_lease(cache: Cache) -> None:
+    e = admit(cache, "e", 100)
+    lease = cache.acquire(e, "owner")
+    with pytest.raises(LeaseExpired) as info:
+        cache.release("intruder", lease.id)
+    assert info.value.details == {"lease": lease.id}
+    with pytest.raises(LeaseExpired):
+        cache.release("owner", 12345)
+    assert lease.id in cache.leases
+    cache.release("owner", lease.id)
+    with pytest.raises(LeaseExpired):
+        cache.release("owner", lease.id)  # twice
+
+
+def test_foreign_owner_cannot_commit_or_abort(cache: Cache) -> None:
+    entry, lease, _ = cache.reserve("p", key("p"), MANIFEST, 100, "cached", owner="publisher")
+    with pytest.raises(LeaseExpired):
+        cache.commit("intruder", lease.id)
+    with pytest.raises(LeaseExpired):
+        cache.abort("intruder", lease.id)
+    assert entry.state == "filling" and lease.id in cache.leases
+
+
+def test_lease_kinds_are_not_interchangeable(cache: Cache) -> None:
+    _, fill, _ = cache.reserve("p", key("p"), MANIFEST, 100, "cached", owner="conn")
+    with pytest.raises(BadRequest, match="fill lease"):
+        cache.release("conn", fill.id)
+    read = cache.acquire(admit(cache, "e", 100), "conn")
+    with pytest.raises(BadRequest, match="read lease"):
+        cache.commit("conn", read.id)
+    with pytest.raises(BadRequest, match="read lease"):
+        cache.abort("conn", read.id)
+
+
+def test_release_touches_lru(cache: Cache, clock: Clock) -> None:
+    e = admit(cache, "e", 100)
+    lease = cache.acquire(e, "conn")
+    clock.tick(3)
+    cache.release("conn", lease.id)
+    assert e.last_used == clock.now
+
+
+# -- ephemeral entries --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["release", "expire", "drop_owner"])
+def test_ephemeral_dropped_when_its_last_lease_ends(cache: Cache, clock: Clock, how: str) -> None:
+    e = admit(cache, "e", 100, retention="ephemeral")
+    first = cache.acquire(e, "c1")
+    clock.tick(1)
+    last = cache.acquire(e, "c2")
+    assert cache.release("c1", first.id) == []
+    assert "e" in cache.entries
+    if how == "release":
+        dropped = cache.release("c2", last.id)
+    elif how == "expire":
+        clock.tick(TTL)
+        expired, dropped = cache.expire()
+        assert expired == [last]
+    else:
+        dropped = cache.drop_owner("c2")
+    assert dropped == [e] and cache.entries == {} and cache.leases == {}
+
+
+def test_cached_entry_survives_its_last_lease(cache: Cache) -> None:
+    e = admit(cache, "e", 100)
+    assert cache.release("c", cache.acquire(e, "c").id) == []
+    assert cache.entries["e"].state == "ready"
+
+
+def test_drop_owner_ends_only_that_owners_leases(cache: Cache) -> None:
+    e = admit(cache, "e", 100)
+    f = admit(cache, "f", 100, retention="ephemeral")
+    mine = [cache.acquire(e, "me"), cache.acquire(f, "me"), cache.acquire(e, "me")]
+    theirs = cache.acquire(e, "them")
+    assert cache.drop_owner("me") == [f]
+    assert set(cache.leases) == {theirs.id}
+    assert all(lease.id not in e.leases for lease in mine)
+    assert cache.drop_owner("nobody") == []
+
+
+# -- publishing ---------------------------------------------------------------------------------
+
+
+def test_commit_makes_ready(cache: Cache, clock: Clock) -> None:
+    entry, lease, _ = cache.reserve("p", key("p"), MANIFEST, 100, "cached", owner="conn", pid=7)
+    clock.tick(2)
+    assert cache.commit("conn", lease.id) == (entry, [])
+    assert entry.state == "ready" and entry.leases == {} and cache.leases == {}
+    assert entry.done_bytes == MANIFEST.nbytes and entry.last_used == clock.now
+    assert cache.acquire(entry, "reader").kind == "read"
+    with pytest.raises(LeaseExpired):
+        cache.commit("conn", lease.id)  # a fill lease commits once
+
+
+@pytest.mark.parametrize("how", ["abort", "expire", "drop_owner"])
+def test_fill_lease_ending_before_commit_drops_at_once(cache: Cache, clock: Clock, how: str) -> None:
+    entry, lease, _ = cache.reserve("p", key("p"), MANIFEST, 300, "pinned", owner="conn")
+    assert cache.used("cpu") == 300
+    if how == "abort":
+        dropped = cache.abort("conn", lease.id)
+    elif how == "expire":
+        clock.tick(TTL)
+        expired, dropped = cache.expire()
+        assert expired == [lease]
+    else:
+        dropped = cache.drop_owner("conn")
+    assert dropped == [entry]
+    assert cache.entries == {} and cache.leases == {} and cache.used("cpu") == 0
+    with pytest.raises(LeaseExpired):
+        cache.commit("conn", lease.id)
+
+
+def test_heartbeat_keeps_a_fill_lease(cache: Cache, clock: Clock) -> None:
+    entry, lease, _ = cache.reserve("p", key("p"), MANIFEST, 100, "cached", owner="conn")
+    clock.tick(TTL - 1)
+    assert cache.heartbeat("conn", [lease.id]) == []
+    clock.tick(TTL - 1)
+    assert cache.expire() == ([], [])
+    assert cache.commit("conn", lease.id)[0].state == "ready"
+
+
+def test_reserve_evicts_to_make_room(cache: Cache) -> None:
+    admit(cache, "old", 900)
+    entry, lease, victims = cache.reserve("p", key("p"), MANIFEST, 500, "cached", owner="conn")
+    assert names(victims) == ["old"] and set(cache.entries) == {"p"}
+
+
+# -- lookup -------------------------------------------------------------------------------------
+
+
+def test_find_by_name(cache: Cache) -> None:
+    e = admit(cache, "e", 100)
+    assert cache.find("e") is e
+    with pytest.raises(NotFound, match="no entry named 'x'") as info:
+        cache.find("x")
+    assert info.value.details == {"name": "x"}
+
+
+def test_find_by_key(cache: Cache) -> None:
+    e = admit(cache, "llama", 100, dtype="bf16", shard={"tp_rank": 0})
+    assert cache.find(key("llama", dtype="bf16", shard={"tp_rank": 0})) is e
+    assert cache.by_key(key("llama")) is None
+    with pytest.raises(NotFound, match="no entry for model 'qwen'"):
+        cache.find(key("qwen", dtype="bf16"))
+
+
+def test_find_near_miss_names_the_differing_fields(cache: Cache) -> None:
+    admit(cache, "llama", 100, dtype="fp16", transform="t", device="cuda:0")
+    with pytest.raises(KeyMismatch) as info:
+        cache.find(key("llama", dtype="bf16"))
+    assert info.value.details["fields"] == ["dtype", "transform", "device"]
+    assert info.value.details["entry"] == "llama"
+
+
+def test_find_near_miss_reports_the_nearest_entry(cache: Cache) -> None:
+    cache.admit("far", key("m", dtype="fp16", extra={"v": "1"}), MANIFEST, 1, "cached", "load")
+    cache.admit("near", key("m", dtype="fp16"), MANIFEST, 1, "cached", "load")
+    with pytest.raises(KeyMismatch) as info:
+        cache.find(key("m", dtype="bf16"))
+    d = info.value.details
+    assert d["fields"] == ["dtype"] and d["entry"] == "near"
+    assert d["resident"] == {"dtype": "fp16"} and d["requested"] == {"dtype": "bf16"}
+    assert "resident as 'near'" in info.value.message and "differs in: dtype" in info.value.message
+
+
+def test_find_near_miss_details_are_plain_data(cache: Cache) -> None:
+    cache.admit("a", key("m", shard={"tp_rank": 0}), MANIFEST, 1, "cached", "load")
+    with pytest.raises(KeyMismatch) as info:
+        cache.find(key("m", shard={"tp_rank": 1}))
+    d = info.value.details
+    assert d["fields"] == ["shard"]
+    assert d["resident"] == {"shard": {"tp_rank": 0}} and d["requested"] == {"shard": {"tp_rank": 1}}
+    assert type(d["resident"]["shard"]) is dict
+
+
+def test_describe(cache: Cache, clock: Clock) -> None:
+    e = admit(cache, "e", 300, retention="pinned")
+    cache.acquire(e, "c")
+    d = e.describe()
+    assert {k: d[k] for k in ("name", "state", "bytes", "device", "leases", "retention", "origin", "tensors",
+                              "acquires")} == {
+        "name": "e", "state": "ready", "bytes": 300, "device": "cpu", "leases": 1, "retention": "pinned",
+        "origin": "load", "tensors": 2, "acquires": 1}
+    assert d["progress"] == {"done": 0, "total": MANIFEST.nbytes}
+    assert d["key"]["model"] == "e"

@@ -1,0 +1,277 @@
+"""Arena layouts: aligned offsets, sizes per dtype, C-contiguous strides, untrusted wire manifests."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from wcd.errors import BadRequest
+from wcd.manifest import ALIGN, DTYPE_SIZES, MAX_NAME_LEN, MAX_NDIM, Manifest, TensorSpec
+
+SETTINGS = settings(max_examples=60, deadline=None)
+
+# The torch dtype each safetensors name stands for: sizes are checked against torch, not restated.
+TORCH_DTYPES = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E4M3FNUZ": torch.float8_e4m3fnuz, "F8_E5M2": torch.float8_e5m2,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz, "F8_E8M0": torch.float8_e8m0fnu,
+    "I16": torch.int16, "U16": torch.uint16, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I32": torch.int32, "U32": torch.uint32, "F32": torch.float32,
+    "I64": torch.int64, "U64": torch.uint64, "F64": torch.float64, "C64": torch.complex64,
+}
+
+shapes = st.lists(st.integers(0, 9), max_size=4).map(tuple)
+layouts = st.lists(
+    st.tuples(st.sampled_from(sorted(DTYPE_SIZES)), shapes), max_size=12,
+).map(lambda rows: [(f"t{i}", dtype, shape) for i, (dtype, shape) in enumerate(rows)])
+
+
+def element_size(dtype: str) -> int:
+    return torch.empty((), dtype=TORCH_DTYPES[dtype]).element_size()
+
+
+def wire(*rows: list[Any], size: int = 4096) -> dict[str, Any]:
+    return {"size": size, "tensors": [list(r) for r in rows]}
+
+
+def refused(obj: Any) -> str:
+    with pytest.raises(BadRequest) as info:
+        Manifest.from_wire(obj)
+    return info.value.message
+
+
+# -- build --------------------------------------------------------------------------------------
+
+
+def test_dtype_table_is_complete() -> None:
+    assert set(DTYPE_SIZES) == set(TORCH_DTYPES)
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPE_SIZES))
+def test_size_of_every_dtype(dtype: str) -> None:
+    m = Manifest.build([("a", dtype, (3, 5)), ("b", dtype, (7,))])
+    a, b = m.tensors
+    assert a.nbytes == 15 * element_size(dtype)
+    assert b.nbytes == 7 * element_size(dtype)
+    assert (a.offset, b.offset) == (0, ALIGN)
+    assert m.nbytes == 22 * element_size(dtype)
+
+
+@SETTINGS
+@given(layout=layouts)
+def test_build_aligns_and_packs_every_tensor(layout: list[tuple[str, str, tuple[int, ...]]]) -> None:
+    m = Manifest.build(layout)
+    assert [(t.name, t.dtype, t.shape) for t in m.tensors] == layout
+    end = 0
+    for t in m.tensors:
+        assert t.nbytes == math.prod(t.shape) * element_size(t.dtype)
+        assert t.offset % ALIGN == 0
+        # the first aligned offset at or after the previous tensor's end
+        assert end <= t.offset < end + ALIGN
+        end = t.offset + t.nbytes
+    assert m.size >= max(end, 1) and m.size % ALIGN == 0 and m.size < max(end, 1) + ALIGN
+    assert m.nbytes == sum(t.nbytes for t in m.tensors)
+
+
+def test_scalars_and_zero_size_tensors() -> None:
+    m = Manifest.build([("s", "F32", ()), ("z", "BF16", (0, 4)), ("w", "I8", (3,)), ("z2", "F64", (5, 0))])
+    s, z, w, z2 = m.tensors
+    assert (s.offset, s.nbytes, s.shape, s.strides) == (0, 4, (), ())
+    assert (z.offset, z.nbytes) == (ALIGN, 0)
+    assert (w.offset, w.nbytes) == (ALIGN, 3)  # a zero-size tensor takes no room
+    assert (z2.offset, z2.nbytes) == (2 * ALIGN, 0)
+    assert m.size == 2 * ALIGN
+
+
+def test_empty_manifest_still_has_one_aligned_block() -> None:
+    m = Manifest.build([])
+    assert m.tensors == () and m.size == ALIGN and m.nbytes == 0
+
+
+@SETTINGS
+@given(shape=st.lists(st.integers(1, 6), max_size=MAX_NDIM // 2).map(tuple))
+def test_strides_are_c_contiguous(shape: tuple[int, ...]) -> None:
+    # (torch writes max(d, 1) for empty dims; any stride addresses an empty tensor, so none here)
+    spec = Manifest.build([("t", "F32", shape)]).tensors[0]
+    assert spec.strides == torch.empty(shape).stride()
+
+
+def test_strides_of_a_known_shape() -> None:
+    assert TensorSpec("t", "F16", (2, 3, 4), 0, 48).strides == (12, 4, 1)
+
+
+def test_duplicate_names() -> None:
+    with pytest.raises(BadRequest, match="'w' appears twice") as info:
+        Manifest.build([("w", "F32", (1,)), ("b", "F32", (1,)), ("w", "F16", (2,))])
+    assert info.value.details == {"tensor": "w"}
+
+
+@pytest.mark.parametrize("dtype", ["F4", "F6_E2M3", "f32", "", "STRING"])
+def test_unsupported_dtype(dtype: str) -> None:
+    with pytest.raises(BadRequest, match="unsupported dtype") as info:
+        Manifest.build([("w", dtype, (1,))])
+    assert info.value.details == {"tensor": "w"}
+
+
+def test_dimension_limit() -> None:
+    Manifest.build([("w", "U8", (1,) * MAX_NDIM)])
+    with pytest.raises(BadRequest, match=f"{MAX_NDIM + 1} dimensions"):
+        Manifest.build([("w", "U8", (1,) * (MAX_NDIM + 1))])
+
+
+@pytest.mark.parametrize("shape", [(-1,), (2, 1.5), (True,), ("3",), (1 << 49,)])
+def test_bad_dimensions(shape: tuple[Any, ...]) -> None:
+    with pytest.raises(BadRequest, match="bad dimension"):
+        Manifest.build([("w", "F32", shape)])
+
+
+@pytest.mark.parametrize("name", ["", "x" * (MAX_NAME_LEN + 1), 7, None])
+def test_bad_names(name: Any) -> None:
+    with pytest.raises(BadRequest, match="bad tensor name"):
+        Manifest.build([(name, "F32", (1,))])
+
+
+def test_name_length_limit_is_inclusive() -> None:
+    assert Manifest.build([("x" * MAX_NAME_LEN, "F32", (1,))]).tensors[0].name == "x" * MAX_NAME_LEN
+
+
+# -- wire form ----------------------------------------------------------------------------------
+
+
+def test_to_wire_shape() -> None:
+    m = Manifest.build([("w", "BF16", (2, 3)), ("b", "F32", ())])
+    assert m.to_wire() == {"size": 512, "tensors": [["w", "BF16", [2, 3], 0], ["b", "F32", [], 256]]}
+
+
+@SETTINGS
+@given(layout=layouts)
+def test_wire_round_trip(layout: list[tuple[str, str, tuple[int, ...]]]) -> None:
+    m = Manifest.build(layout)
+    assert Manifest.from_wire(m.to_wire()) == m
+    over_msgpack = msgpack.unpackb(msgpack.packb(m.to_wire()), raw=False)
+    assert Manifest.from_wire(over_msgpack) == m
+
+
+def test_from_wire_accepts_any_order_gaps_and_shared_zero_size_offsets() -> None:
+    m = Manifest.from_wire(wire(["b", "F32", [64], 1024], ["a", "F32", [64], 0], ["z", "F32", [0], 0],
+                                ["e", "U8", [0], 4096]))
+    assert [(t.name, t.offset, t.nbytes) for t in m.tensors] == [("b", 1024, 256), ("a", 0, 256), ("z", 0, 0),
+                                                                 ("e", 4096, 0)]
+    assert m.size == 4096
+
+
+def test_from_wire_tensor_may_end_exactly_at_size() -> None:
+    assert Manifest.from_wire(wire(["a", "F32", [64], 256], size=512)).tensors[0].offset == 256
+
+
+def test_from_wire_misaligned_offset() -> None:
+    assert "offset 128 not aligned" in refused(wire(["a", "F32", [4], 128]))
+
+
+@pytest.mark.parametrize("offset", [-256, 1.0, "0", None, True])
+def test_from_wire_bad_offset_types(offset: Any) -> None:
+    assert "not aligned or outside the arena" in refused(wire(["a", "F32", [4], offset]))
+
+
+def test_from_wire_overlap() -> None:
+    text = refused(wire(["a", "F32", [128], 0], ["b", "F32", [1], 256]))
+    assert "'a' and 'b' overlap" in text
+
+
+def test_from_wire_one_byte_overlap_and_exact_adjacency() -> None:
+    assert "'a' and 'b' overlap" in refused(wire(["a", "U8", [257], 0], ["b", "U8", [1], 256]))
+    m = Manifest.from_wire(wire(["a", "U8", [256], 0], ["b", "U8", [1], 256]))
+    assert [t.offset + t.nbytes for t in m.tensors] == [256, 257]
+
+
+def test_from_wire_overlap_regardless_of_row_order() -> None:
+    assert "overlap" in refused(wire(["b", "F32", [1], 768], ["c", "U8", [1], 256], ["a", "F32", [128], 512]))
+
+
+def test_from_wire_out_of_bounds() -> None:
+    assert "outside the arena" in refused(wire(["a", "F32", [65], 256], size=512))
+    assert "outside the arena" in refused(wire(["a", "U8", [0], 768], size=512))
+
+
+@pytest.mark.parametrize(
+    "row",
+    [["a", "F32", [1]], ["a", "F32", [1], 0, 0], "a", None, {"name": "a"}, ["a", "F32", 4, 0], ["a", "F32", "4", 0]],
+)
+def test_from_wire_bad_rows(row: Any) -> None:
+    assert "is not [name, dtype, shape, offset]" in refused({"size": 4096, "tensors": [row]})
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [None, [], {"size": 256}, {"tensors": []}, {"size": "256", "tensors": []}, {"size": True, "tensors": []},
+     {"size": 256.0, "tensors": []}, {"size": 256, "tensors": {}}],
+)
+def test_from_wire_bad_envelope(obj: Any) -> None:
+    assert refused(obj).startswith("manifest must be")
+
+
+@pytest.mark.parametrize("size", [0, -256, (1 << 48) + 256])
+def test_from_wire_size_out_of_range(size: int) -> None:
+    assert "out of range" in refused({"size": size, "tensors": []})
+
+
+@pytest.mark.parametrize(
+    ("row", "why"),
+    [
+        ([5, "F32", [1], 0], "bad tensor name"),
+        (["", "F32", [1], 0], "bad tensor name"),
+        (["a", "F4", [1], 0], "unsupported dtype"),
+        (["a", 4, [1], 0], "unsupported dtype"),
+        (["a", None, [1], 0], "unsupported dtype"),
+        (["a", "F32", [1.0], 0], "bad dimension"),
+        (["a", "F32", [True], 0], "bad dimension"),
+        (["a", "F32", [-1], 0], "bad dimension"),
+        (["a", "F32", [1] * (MAX_NDIM + 1), 0], "dimensions"),
+    ],
+)
+def test_from_wire_bad_field_types(row: list[Any], why: str) -> None:
+    assert why in refused(wire(row))
+
+
+@pytest.mark.parametrize("dtype", [["F32"], {"F32": 1}], ids=["list", "map"])
+def test_from_wire_unhashable_dtype_is_a_bad_request(dtype: Any) -> None:
+    assert "unsupported dtype" in refused(wire(["a", dtype, [1], 0]))
+
+
+def test_from_wire_duplicate_names() -> None:
+    assert "'a' appears twice" in refused(wire(["a", "F32", [1], 0], ["a", "F32", [1], 256]))
+
+
+_junk = st.none() | st.booleans() | st.integers(-1000, 5000) | st.floats() | st.text(max_size=6)
+_rows = st.lists(
+    st.one_of(
+        _junk,
+        st.tuples(
+            _junk | st.sampled_from(["a", "b"]),
+            _junk | st.sampled_from(sorted(DTYPE_SIZES)),
+            st.lists(_junk | st.integers(0, 40), max_size=3) | _junk,
+            st.integers(-256, 4096) | _junk,
+        ).map(list),
+    ),
+    max_size=5,
+)
+
+
+@SETTINGS
+@given(size=_junk | st.integers(1, 8192), rows=_rows)
+def test_from_wire_never_raises_anything_but_bad_request(size: Any, rows: list[Any]) -> None:
+    try:
+        m = Manifest.from_wire({"size": size, "tensors": rows})
+    except BadRequest:
+        return
+    live = sorted((t for t in m.tensors if t.nbytes), key=lambda t: t.offset)
+    for t in m.tensors:
+        assert t.offset % ALIGN == 0 and 0 <= t.offset and t.offset + t.nbytes <= m.size
+    for a, b in zip(live, live[1:]):
+        assert a.offset + a.nbytes <= b.offset
