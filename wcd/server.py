@@ -25,11 +25,11 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from wcd import __version__, protocol
+from wcd import __version__, parking, protocol, systemd
 from wcd.arenas import Arena, backend_for
 from wcd.cache import Cache, Entry, Lease
 from wcd.checkpoint import Checkpoint
-from wcd.config import Config, ModelConfig, parse_size
+from wcd.config import Config, ModelConfig, load_config, parse_size
 from wcd.errors import (
     BadRequest, Busy, Internal, LoadFailed, NotFound, PermissionDenied, ProtocolError, UnsupportedVersion, WcdError,
 )
@@ -177,10 +177,15 @@ class Connection:
 
 
 class Server:
-    def __init__(self, config: Config, instance: str = "wcd", listen_fd: int | None = None) -> None:
+    def __init__(self, config: Config, instance: str = "wcd", listen_fd: int | None = None,
+                 parked_fds: list[tuple[int, str]] | None = None, config_path: Path | None = None) -> None:
         self.config = config
         self.instance = instance
+        self.config_path = config_path  # re-read on SIGHUP
         self.listen_fd = listen_fd  # socket-activated: never unlink or shut it down
+        self.notifier = systemd.Notifier()
+        self._parked_fds = parked_fds or []  # from systemd's fd store, adopted at startup
+        self._parked: set[str] = set()  # entries whose fds sit in the fd store
         self.started_at = time.time()
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
         self.cache: Cache = None  # type: ignore[assignment]
@@ -209,14 +214,22 @@ class Server:
     async def startup(self) -> None:
         self.loop = asyncio.get_running_loop()
         self.cache = Cache(self._budgets(), self.config.daemon.lease_ttl_s)
-        for sig, handler in ((signal.SIGTERM, self.stop), (signal.SIGINT, self.stop)):
+        for sig, handler in ((signal.SIGTERM, self.stop), (signal.SIGINT, self.stop),
+                             (signal.SIGHUP, lambda: self._spawn(self.reload()))):
             self.loop.add_signal_handler(sig, handler)
         self._spawn(self._expire_leases())
+        await self._adopt_parked(self._parked_fds)
+        self._parked_fds = []
         # Admit configured models before serving, so an engine that connects at once waits for
         # its model instead of getting not_found; the copies themselves run in the background.
         await asyncio.gather(*(self._admit_configured(m) for m in self.config.models))
         self._listen()
         log.info("wcd %s serving %s (devices: %s)", __version__, self._where(), ", ".join(self.cache.budgets))
+        self._notify("ready", self.status_line())
+        self._spawn(self._report_status())
+        interval = systemd.watchdog_interval()
+        if interval is not None:
+            self._spawn(self._watchdog(interval))
 
     async def serve(self) -> None:
         await self.stopping.wait()
@@ -224,6 +237,7 @@ class Server:
     def stop(self) -> None:
         if not self.stopping.is_set():
             log.info("stopping")
+            self._notify("stopping", "stopping")
             self.stopping.set()
 
     async def shutdown(self) -> None:
@@ -235,13 +249,21 @@ class Server:
                     self._bound_path.unlink(missing_ok=True)
         for conn in list(self.connections):
             conn.close()
-        for entry in list(self.cache.entries.values()):
-            self._reclaim(self.cache.evict(entry))  # loading entries cancel their loaders
+        for entry in self.cache.entries.values():
+            if entry.state == "loading":
+                entry.state = "evicting"  # the loader stops at its next chunk
         tasks = [t for t in self._tasks if not t.done()]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        log.info("stopped")
+        # Close our descriptors without evicting: parked arenas stay in systemd's fd store for
+        # the next start; the others' memory returns once clients unmap.
+        for entry in self.cache.entries.values():
+            if entry.arena is not None:
+                entry.arena.close()
+        kept = sum(1 for name in self._parked if name in self.cache.entries)
+        log.info("stopped%s", f"; {kept} entries stay parked in systemd's fd store" if kept else "")
+        self.notifier.close()
 
     def _where(self) -> str:
         return f"socket-activated fd {self.listen_fd}" if self.listen_fd is not None else str(self._bound_path)
@@ -282,6 +304,7 @@ class Server:
         task = self.loop.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(_log_failure)
         return task
 
     # -- connections ------------------------------------------------------------------------
@@ -372,6 +395,10 @@ class Server:
     def _reclaim(self, entries: Iterable[Entry]) -> None:
         """Entries the cache dropped: close their arenas (memory returns once clients unmap)."""
         for entry in entries:
+            if entry.name in self._parked:
+                self._parked.discard(entry.name)
+                for name in parking.fd_names(entry.key):
+                    self._notify("remove_fds", name)
             if entry.arena is not None:
                 entry.arena.close()
                 entry.arena = None
@@ -394,12 +421,14 @@ class Server:
     # -- loading ----------------------------------------------------------------------------
 
     async def _admit_configured(self, model: ModelConfig) -> None:
+        if model.name in self.cache.entries:
+            return  # adopted from the fd store, or still leased after a reload changed it
         try:
             entry = await self._admit_load(model.name, model.path, model.device, model.retention, "config")
         except WcdError as e:
             log.error("cannot load %s: %s", model.name, e.message)
             return
-        self._spawn(self._fill(entry)).add_done_callback(_log_failure)
+        self._spawn(self._fill(entry))
 
     async def _admit_load(self, name: str, path: Path, device: str, retention: Any, origin: Any) -> Entry:
         """Read the checkpoint's headers, fingerprint it, and admit an entry (state loading)."""
@@ -447,6 +476,151 @@ class Server:
         event = self._ready.pop(entry.name, None)
         if event is not None:
             event.set()
+        self._park(entry)
+
+    # -- systemd: notifications, fd store ---------------------------------------------------
+
+    def _notify(self, what: str, arg: Any = None) -> None:
+        """One systemd call; a failure is logged, never fatal (the daemon serves without systemd)."""
+        try:
+            if what == "remove_fds":
+                systemd.remove_fds(arg)
+            elif arg is None:
+                getattr(self.notifier, what)()
+            else:
+                getattr(self.notifier, what)(arg)
+        except (systemd.SystemdError, ValueError) as e:
+            log.warning("systemd: %s", e)
+
+    def status_line(self) -> str:
+        loading = [e for e in self.cache.entries.values() if e.state == "loading"]
+        if loading:
+            e = loading[0]
+            total = max(e.manifest.nbytes, 1)
+            more = f" (+{len(loading) - 1} more)" if len(loading) > 1 else ""
+            return (f"loading {e.name} {100 * e.done_bytes // total}% {e.done_bytes / 1e9:.0f}/"
+                    f"{e.manifest.nbytes / 1e9:.0f} GB{more}")
+        held = sum(e.nbytes for e in self.cache.entries.values())
+        return f"serving {len(self.cache.entries)} entries, {len(self.cache.leases)} leases, {held / 1e9:.1f} GB"
+
+    async def _report_status(self) -> None:
+        last = ""
+        while True:
+            await asyncio.sleep(1.0)
+            line = self.status_line()
+            if line != last:
+                self._notify("status", line)
+                last = line
+
+    async def _watchdog(self, interval: float) -> None:
+        # From the event loop on purpose: a wedged loop stops the pings and systemd restarts us.
+        while True:
+            self._notify("watchdog")
+            await asyncio.sleep(interval)
+
+    def _park(self, entry: Entry) -> None:
+        """Put a ready entry's arena fd and its record into systemd's fd store (if there is one)."""
+        if not systemd.store_enabled() or entry.name in self._parked or entry.arena is None:
+            return
+        arena_name, record_name = parking.fd_names(entry.key)
+        try:
+            record = parking.record_memfd(entry)
+            try:
+                systemd.store_fds([entry.arena.fd()], arena_name)
+                systemd.store_fds([record], record_name)
+            finally:
+                os.close(record)
+        except (systemd.SystemdError, OSError, ValueError) as e:
+            log.warning("cannot park %s in systemd's fd store (%s): it will be reloaded after a restart",
+                        entry.name, e)
+            return
+        self._parked.add(entry.name)
+
+    async def _adopt_parked(self, fds: list[tuple[int, str]]) -> None:
+        """Re-adopt arenas systemd kept for us; drop (and unstore) anything unknown, corrupt or stale."""
+        groups: dict[str, dict[str, int]] = {}
+        for fd, name in fds:
+            stem, dot, suffix = name.rpartition(".")
+            if dot and "." + suffix in (parking.ARENA_SUFFIX, parking.RECORD_SUFFIX):
+                groups.setdefault(stem, {})["." + suffix] = fd
+            else:
+                log.warning("fd store: dropping unknown fd %r", name)
+                os.close(fd)
+                self._notify("remove_fds", name)
+        for stem, parts in groups.items():
+            arena_fd = parts.pop(parking.ARENA_SUFFIX, None)
+            record_fd = parts.pop(parking.RECORD_SUFFIX, None)
+            try:
+                if arena_fd is None or record_fd is None:
+                    raise BadRequest("its arena or record is missing")
+                entry = await self._adopt(parking.parse_record(record_fd), arena_fd)
+                arena_fd = None  # the arena owns it now
+                log.info("adopted %s from systemd's fd store (%s on %s, no disk read)%s", entry.name,
+                         _human(entry.nbytes), entry.device, f"; {entry.notes[0]}" if entry.notes else "")
+            except (WcdError, OSError) as e:
+                log.warning("fd store: dropping %s: %s", stem, getattr(e, "message", e))
+                for suffix in (parking.ARENA_SUFFIX, parking.RECORD_SUFFIX):
+                    self._notify("remove_fds", stem + suffix)
+            finally:
+                for fd in (arena_fd, record_fd):
+                    if fd is not None:
+                        os.close(fd)
+
+    async def _adopt(self, rec: parking.ParkedEntry, arena_fd: int) -> Entry:
+        device = rec.key.device
+        if device not in self.cache.budgets:
+            raise BadRequest(f"device {device} is no longer configured")
+        notes = []
+        if rec.origin != "publish":
+            if Path(rec.key.path).exists():
+                fingerprint = await asyncio.to_thread(fingerprint_checkpoint, rec.key.path)
+                if fingerprint != rec.key.fingerprint:
+                    raise BadRequest(f"stale: {rec.key.path} changed since it was loaded")
+            else:
+                notes.append(f"checkpoint {rec.key.path} is missing: serving the copy kept across the restart")
+        backend = backend_for(device)
+        arena = backend.adopt(os.dup(arena_fd), device, rec.arena_size, rec.name)
+        try:
+            entry, victims = self.cache.admit(rec.name, rec.key, rec.manifest, arena.size, rec.retention,
+                                              rec.origin)  # type: ignore[arg-type]
+        except BaseException:
+            arena.close()
+            raise
+        os.close(arena_fd)
+        self._reclaim(victims)
+        entry.arena, entry.notes, entry.done_bytes = arena, notes, rec.manifest.nbytes
+        self.cache.loaded(entry)
+        self._parked.add(entry.name)  # systemd still holds the fds: never store them twice
+        return entry
+
+    async def reload(self) -> None:
+        """SIGHUP: re-read the config; load new models, evict removed or changed ones once unleased."""
+        self._notify("reloading", "reloading configuration")
+        try:
+            if self.config_path is None:
+                raise BadRequest("no config file to re-read")
+            new = await asyncio.to_thread(load_config, self.config_path, self.instance)
+        except WcdError as e:
+            log.error("reload failed, keeping the running configuration: %s", e.message)
+            self._notify("ready", f"reload failed: {e.message}"[:200])
+            return
+        old = {m.name: m for m in self.config.models}
+        fresh = {m.name: m for m in new.models}
+        for name, model in old.items():
+            if fresh.get(name) != model and name in self.cache.entries:
+                log.info("reload: %s was removed or changed; evicting it once its leases end", name)
+                self._reclaim(self.cache.evict(self.cache.entries[name]))
+        if new.daemon.socket != self.config.daemon.socket and self.listen_fd is None:
+            log.warning("reload: a new socket path takes effect on restart")
+        new.daemon.socket = self.config.daemon.socket
+        self.config = new
+        self._allowed_gids = new.daemon.allowed_gids()
+        self.cache.lease_ttl_s = new.daemon.lease_ttl_s
+        for name, model in fresh.items():
+            if name not in self.cache.entries:
+                await self._admit_configured(model)
+        log.info("reloaded %s", self.config_path)
+        self._notify("ready", self.status_line())
 
     async def _wait_ready(self, entry: Entry, timeout: float) -> Entry:
         event = self._ready.get(entry.name)
@@ -518,8 +692,12 @@ class Server:
         if lease is None or lease.owner is not conn or lease.kind != "fill":
             self.cache.commit(conn, req.lease)  # raises the precise error
         assert lease is not None
-        lease.entry.arena.seal()  # Busy if the publisher still maps it writable; the lease stays
-        entry = self.cache.commit(conn, req.lease)
+        if lease.entry.state != "evicting":
+            lease.entry.arena.seal()  # Busy if the publisher still maps it writable; the lease stays
+        entry, dropped = self.cache.commit(conn, req.lease)
+        if dropped:
+            self._reclaim(dropped)
+            raise NotFound(f"{entry.name} was evicted while it was being filled; nothing was published")
         self._set_ready(entry)
         self._digests[entry.name] = asyncio.ensure_future(
             asyncio.to_thread(digest_arena, entry.arena, entry.manifest))
@@ -602,7 +780,6 @@ class Server:
         if entry is None:
             entry = await self._admit_load(req.name, path, device, retention, "load")
             task = self._spawn(self._fill(entry))
-            task.add_done_callback(_log_failure)
             if req.wait:
                 await asyncio.shield(task)
         elif req.wait:
@@ -642,8 +819,13 @@ class _EntryProgress:
 
 
 def _log_failure(task: asyncio.Task[Any]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("%s", getattr(task.exception(), "message", task.exception()))
+    if task.cancelled() or task.exception() is None:
+        return
+    exc = task.exception()
+    if isinstance(exc, WcdError):
+        log.error("%s", exc.message)
+    else:
+        log.error("background task failed", exc_info=exc)
 
 
 def _bind(path: Path, groups: list[str]) -> socket.socket:
@@ -674,6 +856,15 @@ def _bind(path: Path, groups: list[str]) -> socket.socket:
     return sock
 
 
+def _is_listener(fd: int) -> bool:
+    try:
+        s = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return False
+    with s:
+        return s.family == socket.AF_UNIX and bool(s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+
+
 def _fds_from(anc: list[tuple[int, int, bytes]]) -> list[int]:
     fds: list[int] = []
     for level, kind, data in anc:
@@ -700,12 +891,23 @@ def _human(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def run(config: Config, instance: str = "wcd", listen_fd: int | None = None) -> int:
-    """Run the daemon until SIGTERM/SIGINT. Returns the process exit status."""
+def run(config: Config, instance: str = "wcd", config_path: Path | None = None,
+        passed_fds: list[tuple[int, str]] | None = None) -> int:
+    """Run the daemon until SIGTERM/SIGINT. Returns the process exit status.
+
+    `passed_fds` (from `systemd.listen_fds()`) hold the activation socket and parked arenas.
+    """
     import uvloop
 
+    listen_fd, parked = None, []
+    for fd, name in passed_fds or []:
+        if name == systemd.SOCKET_NAME or (name == "unknown" and listen_fd is None and _is_listener(fd)):
+            listen_fd = fd
+        else:
+            parked.append((fd, name))
+
     async def main() -> None:
-        server = Server(config, instance, listen_fd)
+        server = Server(config, instance, listen_fd, parked, config_path)
         await server.startup()
         try:
             await server.serve()

@@ -70,3 +70,7 @@ class ArenaBackend(ABC):
 
     @abstractmethod
     def info(self, device: str) -> DeviceInfo: ...
+
+    @abstractmethod
+    def adopt(self, fd: int, device: str, size: int, label: str) -> Arena:
+        """Take over an exported arena fd (from systemd's fd store after a restart); validates it."""

@@ -44,10 +44,13 @@ class HostArena(Arena):
     kind = "host"
     device = HOST_DEVICE
 
-    def __init__(self, size: int, label: str) -> None:
+    def __init__(self, size: int, label: str, fd: int | None = None) -> None:
         self.size = size
-        self._fd = os.memfd_create(f"wcd:{label}"[:249], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         self._lock = threading.Lock()
+        if fd is not None:  # adopted: already filled and sealed
+            self._fd = fd
+            return
+        self._fd = os.memfd_create(f"wcd:{label}"[:249], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             # fallocate commits the memory now, so running out of RAM fails here with a clear
             # error instead of SIGBUS in the loader or an engine later.
@@ -93,6 +96,18 @@ class HostBackend(ArenaBackend):
 
     def create(self, device: str, size: int, label: str) -> HostArena:
         return HostArena(size, label)
+
+    def adopt(self, fd: int, device: str, size: int, label: str) -> HostArena:
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            actual = os.fstat(fd).st_size
+        except OSError as e:
+            raise BadRequest(f"{label}: not a memfd ({e.strerror})") from None
+        if seals & SEALS != SEALS:
+            raise BadRequest(f"{label}: memfd is not sealed against writes")
+        if actual != size:
+            raise BadRequest(f"{label}: memfd holds {actual} bytes, its record says {size}")
+        return HostArena(size, label, fd)
 
     def info(self, device: str) -> DeviceInfo:
         total = os.sysconf("SC_PHYS_PAGES") * PAGE

@@ -37,18 +37,25 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve_main(args: argparse.Namespace) -> int:
+    from wcd import systemd
     from wcd.config import instance_config_path, load_config
     from wcd.server import run
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(message)s", stream=sys.stderr)
     path = args.config or instance_config_path(args.instance)
     try:
-        config = load_config(path, args.instance)
+        passed = systemd.listen_fds()
+        # After a restart with weights parked in systemd's fd store, a configured checkpoint may
+        # be gone on purpose: the daemon serves the kept copy and flags it in status.
+        restarted = any(name != systemd.SOCKET_NAME for _, name in passed)
+        config = load_config(path, args.instance, check_paths=not restarted)
         if args.socket is not None:
             config.daemon.socket = args.socket
-        return run(config, args.instance or path.stem)
+        return run(config, args.instance or path.stem, path, passed)
     except WcdError as e:
         die("wcd", e.message, USAGE_ERROR if e.code == "config_error" else 1)
+    except systemd.SystemdError as e:
+        die("wcd", str(e), 1)
     except PermissionError as e:
         die("wcd", f"{e.filename}: permission denied (run as the wcd user or root, or pick another --socket)", 1)
 

@@ -129,6 +129,7 @@ def _status(r: dict[str, Any]) -> str:
         [d["device"], d["name"], _size(d["total"]), _size(d["free"]), _size(d["budget"]), _size(d["used"])]
         for d in r["devices"]]))
     lines += ["", _entries(r["entries"])]
+    lines += [f"  {e['name']}: {note}" for e in r["entries"] for note in e.get("notes", [])]
     return "\n".join(lines)
 
 

@@ -1,0 +1,247 @@
+"""The daemon under a stand-in for systemd that follows the documented protocols.
+
+The harness owns the listening socket (socket activation: LISTEN_FDS/LISTEN_FDNAMES/LISTEN_PID)
+and a NOTIFY_SOCKET datagram socket that records READY/STATUS/WATCHDOG/STOPPING/RELOADING and
+keeps FDSTORE fds, handing them back on the next start like `systemctl restart` does.
+"""
+
+from __future__ import annotations
+
+import array
+import fcntl
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.integration.conftest import same
+from wcd.client import Client
+from wcd.errors import DaemonUnavailable
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class FakeSystemd:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.sock_path = root / "wcd.sock"
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(str(self.sock_path))
+        self.listener.listen(64)
+        self.notify_path = root / "notify"
+        self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.notify.bind(str(self.notify_path))
+        self.notify.setblocking(False)
+        self.messages: list[dict[str, str]] = []
+        self.store: dict[str, list[int]] = {}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = root / "daemon.log"
+
+    def start(self, config: Path, watchdog_usec: int | None = None) -> None:
+        passed = [(self.listener.fileno(), "wcd")] + [(fd, n) for n, fds in self.store.items() for fd in fds]
+        env = {**os.environ, "LISTEN_FDS": str(len(passed)), "LISTEN_FDNAMES": ":".join(n for _, n in passed),
+               "NOTIFY_SOCKET": str(self.notify_path)}
+        if watchdog_usec:
+            env["WATCHDOG_USEC"] = str(watchdog_usec)
+        sources = [fd for fd, _ in passed]
+
+        def place_fds() -> None:  # in the child: passed fds become 3, 4, ... in LISTEN_FDNAMES order
+            high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1000) for fd in sources]
+            for i, fd in enumerate(high):
+                os.dup2(fd, 3 + i)
+
+        with open(self.log, "ab") as log:
+            # sh's $$ survives exec, so LISTEN_PID names the daemon itself, as systemd does.
+            self.proc = subprocess.Popen(
+                ["sh", "-c", 'LISTEN_PID=$$ exec "$@"', "sh", sys.executable, "-m", "wcd", "serve", "--config",
+                 str(config), "--log-level", "debug"],
+                env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=place_fds,
+                pass_fds=range(3, 3 + len(passed)), cwd=str(REPO))
+        self.wait_for("READY", "1", after=len(self.messages))
+
+    def pump(self) -> None:
+        while True:
+            try:
+                data, fds, _, _ = socket.recv_fds(self.notify, 4096, 16)
+            except BlockingIOError:
+                return
+            msg = dict(line.split("=", 1) for line in data.decode().splitlines() if "=" in line)
+            self.messages.append(msg)
+            if msg.get("FDSTORE") == "1":
+                self.store.setdefault(msg["FDNAME"], []).extend(fds)
+            else:
+                for fd in fds:
+                    os.close(fd)
+            if msg.get("FDSTOREREMOVE") == "1":
+                for fd in self.store.pop(msg["FDNAME"], []):
+                    os.close(fd)
+
+    def wait_for(self, key: str, value: str | None = None, after: int = 0, timeout: float = 30) -> int:
+        """Index of the first message from `after` on that sets `key` (to `value`), waiting for it."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.pump()
+            for i, msg in enumerate(self.messages[after:], after):
+                if key in msg and (value is None or msg[key] == value):
+                    return i
+            assert self.proc is None or self.proc.poll() is None, self.log.read_text()
+            time.sleep(0.01)
+        raise AssertionError(f"no {key}={value} from the daemon; got {self.messages[-5:]}\n{self.log.read_text()}")
+
+    def stop(self) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout=30)
+        self.pump()
+        return code
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for fds in self.store.values():
+            for fd in fds:
+                os.close(fd)
+        self.listener.close()
+        self.notify.close()
+
+
+@pytest.fixture
+def fake_systemd(tmp_path):
+    h = FakeSystemd(tmp_path)
+    yield h
+    h.close()
+
+
+def write_model(path: Path, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tensors = {"w": torch.randn(256, 256, generator=g).to(torch.bfloat16), "b": torch.randn(256, generator=g)}
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    return tensors
+
+
+def config(root: Path, models: dict[str, Path], extra: str = "") -> Path:
+    text = f'[daemon]\nsocket = "{root / "unused.sock"}"\n{extra}'
+    for name, path in models.items():
+        text += f'\n[[models]]\nname = "{name}"\npath = "{path}"\n'
+    cfg = root / "wcd.toml"
+    cfg.write_text(text)
+    return cfg
+
+
+def test_restart_keeps_weights_through_the_fd_store(fake_systemd, tmp_path):
+    ckpt = tmp_path / "llama"
+    tensors = write_model(ckpt, seed=1)
+    cfg = config(tmp_path, {"llama": ckpt})
+    fake_systemd.start(cfg)
+    with Client(fake_systemd.sock_path) as before:
+        lease = before.acquire("llama")
+        fake_systemd.wait_for("FDSTORE", "1")
+        fake_systemd.wait_for("STATUS", "serving 1 entries, 1 leases, 0.0 GB")
+        shutil.move(ckpt, tmp_path / "moved-away")  # the restart must not need the checkpoint
+        assert fake_systemd.stop() == 0
+        assert any(m.get("STOPPING") == "1" for m in fake_systemd.messages)
+        assert len(fake_systemd.store) == 2  # arena + record, still held by "systemd"
+        # The engine attached before the restart keeps its data.
+        assert same(lease.tensors["w"], tensors["w"])
+
+    fake_systemd.start(cfg)
+    assert fake_systemd.sock_path.exists()  # an activated socket is never unlinked
+    with Client(fake_systemd.sock_path) as after:
+        [entry] = after.list()
+        assert entry["name"] == "llama" and entry["state"] == "ready"
+        assert "is missing" in entry["notes"][0]
+        with after.acquire("llama") as lease2:
+            assert same(lease2.tensors["w"], tensors["w"]) and same(lease2.tensors["b"], tensors["b"])
+        after.evict("llama")
+    fake_systemd.wait_for("FDSTOREREMOVE", "1")
+    fake_systemd.wait_for("FDSTOREREMOVE", "1", after=fake_systemd.wait_for("FDSTOREREMOVE", "1") + 1)
+    assert fake_systemd.store == {}
+    assert fake_systemd.stop() == 0
+
+
+def test_stale_and_corrupt_parked_entries_are_dropped(fake_systemd, tmp_path):
+    ckpt = tmp_path / "m"
+    write_model(ckpt, seed=1)
+    cfg = config(tmp_path, {"m": ckpt})
+    fake_systemd.start(cfg)
+    with Client(fake_systemd.sock_path) as c, c.acquire("m"):
+        pass
+    fake_systemd.wait_for("FDSTORE", "1")
+    assert fake_systemd.stop() == 0
+    new = write_model(ckpt, seed=2)  # same names and shapes, new values: the parked copy is stale
+    junk = os.memfd_create("junk")
+    os.write(junk, b"not a record")
+    fake_systemd.store["wcd-0000.record"] = [junk]
+    fake_systemd.store["stray"] = [os.memfd_create("stray")]
+    fake_systemd.start(cfg)
+    with Client(fake_systemd.sock_path) as c, c.acquire("m") as lease:
+        # Reloaded from disk, not served from the stale parked arena.
+        assert same(lease.tensors["w"], new["w"])
+    fake_systemd.pump()
+    removed = {m["FDNAME"] for m in fake_systemd.messages if m.get("FDSTOREREMOVE") == "1"}
+    assert {"stray", "wcd-0000.record", "wcd-0000.arena"} <= removed
+    log = fake_systemd.log.read_text()
+    assert "stale" in log and "dropping unknown fd 'stray'" in log
+    assert fake_systemd.stop() == 0
+
+
+def test_watchdog_pings_and_reload_on_sighup(fake_systemd, tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    write_model(a, seed=1)
+    tensors_b = write_model(b, seed=3)
+    cfg = config(tmp_path, {"a": a})
+    fake_systemd.start(cfg, watchdog_usec=200_000)
+    t, at = time.monotonic(), 0
+    for _ in range(3):
+        at = fake_systemd.wait_for("WATCHDOG", "1", after=at) + 1
+    assert time.monotonic() - t < 2
+    config(tmp_path, {"b": b})  # a removed, b added
+    fake_systemd.proc.send_signal(signal.SIGHUP)
+    at = fake_systemd.wait_for("RELOADING", "1")
+    assert int(fake_systemd.messages[at]["MONOTONIC_USEC"]) > 0
+    fake_systemd.wait_for("READY", "1", after=at)
+    with Client(fake_systemd.sock_path) as c:
+        with c.acquire("b") as lease:
+            assert same(lease.tensors["w"], tensors_b["w"])
+        assert [e["name"] for e in c.list()] == ["b"]
+    # A broken config on reload keeps the running one.
+    cfg.write_text("[daemon\n")
+    fake_systemd.proc.send_signal(signal.SIGHUP)
+    at = fake_systemd.wait_for("RELOADING", "1", after=at + 1)
+    at = fake_systemd.wait_for("READY", "1", after=at)
+    assert fake_systemd.messages[at]["STATUS"].startswith("reload failed: config")
+    with Client(fake_systemd.sock_path) as c:
+        assert [e["name"] for e in c.list()] == ["b"]
+    assert fake_systemd.stop() == 0
+
+
+@pytest.mark.skipif(shutil.which("systemd-socket-activate") is None, reason="systemd-socket-activate not installed")
+def test_real_socket_activation(tmp_path):
+    ckpt = tmp_path / "m"
+    tensors = write_model(ckpt, seed=5)
+    cfg = config(tmp_path, {"m": ckpt})
+    sock = tmp_path / "act.sock"
+    proc = subprocess.Popen(["systemd-socket-activate", "-l", str(sock), "--fdname=wcd", sys.executable, "-m", "wcd",
+                             "serve", "--config", str(cfg)], cwd=str(REPO), stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while not sock.exists():
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.02)
+        # The first connection starts the daemon (systemd-socket-activate execs it on accept).
+        with Client(sock, timeout=30) as c, c.acquire("m") as lease:
+            assert same(lease.tensors["w"], tensors["w"])
+            assert c.status()["socket"].startswith("socket-activated fd 3")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)

@@ -1,0 +1,87 @@
+"""Records that let arenas outlive the daemon in systemd's fd store.
+
+For each ready entry the daemon parks two fds: the arena's, and a small sealed memfd holding
+this record (key, manifest, retention, arena kind and size). After `systemctl restart` both come
+back through LISTEN_FDS; `parse_record` validates the record before anything trusts it. fd names
+cannot contain ':', so they are derived from a hash of the entry's key.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from wcd.errors import BadRequest
+from wcd.key import WeightCacheKey
+from wcd.manifest import Manifest
+
+RECORD_VERSION = 1
+MAX_RECORD_BYTES = 64 << 20
+ARENA_SUFFIX, RECORD_SUFFIX = ".arena", ".record"
+_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
+
+
+@dataclass(frozen=True)
+class ParkedEntry:
+    name: str
+    key: WeightCacheKey
+    manifest: Manifest
+    retention: str
+    origin: str
+    arena_kind: str
+    arena_size: int
+
+
+def fd_names(key: WeightCacheKey) -> tuple[str, str]:
+    """(arena name, record name) in the fd store for the entry with `key`."""
+    stem = f"wcd-{key.digest()}"
+    return stem + ARENA_SUFFIX, stem + RECORD_SUFFIX
+
+
+def record_memfd(entry: Any) -> int:
+    """A sealed memfd holding the park record of `entry` (a `wcd.cache.Entry` with an arena)."""
+    body = msgpack.packb({
+        "v": RECORD_VERSION, "name": entry.name, "key": entry.key.model_dump(),
+        "manifest": entry.manifest.to_wire(), "retention": entry.retention, "origin": entry.origin,
+        "arena": {"kind": entry.arena.kind, "size": entry.arena.size},
+    }, use_bin_type=True)
+    fd = os.memfd_create(f"wcd-record:{entry.name}"[:249], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.write(fd, body)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def parse_record(fd: int) -> ParkedEntry:
+    """Read and validate a park record; `BadRequest` says what is wrong with it."""
+    size = os.fstat(fd).st_size
+    if not 0 < size <= MAX_RECORD_BYTES:
+        raise BadRequest(f"record of {size} bytes")
+    data = os.pread(fd, size, 0)
+    try:
+        rec = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:
+        raise BadRequest(f"record is not msgpack ({type(e).__name__})") from None
+    if not isinstance(rec, dict) or rec.get("v") != RECORD_VERSION:
+        raise BadRequest("record has an unknown version")
+    try:
+        arena = rec["arena"]
+        parked = ParkedEntry(
+            name=str(rec["name"]), key=WeightCacheKey.model_validate(rec["key"]),
+            manifest=Manifest.from_wire(rec["manifest"]), retention=str(rec["retention"]),
+            origin=str(rec["origin"]), arena_kind=str(arena["kind"]), arena_size=int(arena["size"]),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise BadRequest(f"record is incomplete ({e})") from None
+    if parked.retention not in ("pinned", "cached", "ephemeral") or parked.origin not in ("config", "load", "publish"):
+        raise BadRequest("record has an unknown retention or origin")
+    if parked.arena_size < parked.manifest.size:
+        raise BadRequest("record's arena is smaller than its manifest")
+    return parked
