@@ -42,8 +42,8 @@ def default_socket() -> str:
 class Lease:
     """A read lease: zero-copy tensor views of a resident entry, kept alive by heartbeats.
 
-    Views stay valid after `release()` for host arenas (the private mapping lives as long as
-    any view); for CUDA arenas `release()` unmaps, so drop the views first.
+    Views stay valid after `release()` (and if the daemon dies), for host and CUDA arenas alike:
+    the mapping lives as long as any view and is unmapped when the last one is freed.
     """
 
     kind = "read"

@@ -65,7 +65,7 @@ def fill_arena(
 
         with ThreadPoolExecutor(workers or default_workers(), thread_name_prefix="wcd-load") as pool:
             futures = [pool.submit(run, op) for op in ops]
-        errors = [f.exception() for f in futures if f.exception() is not None]
+        errors = [e for e in (f.exception() for f in futures) if e is not None]
         real = [e for e in errors if not isinstance(e, Cancelled)]
         if real:
             raise real[0]

@@ -1,0 +1,416 @@
+"""CUDA arenas on a real GPU: export without a context, fill from safetensors, read-only leases,
+survival of the exporter's death, memory return, and device identity across CUDA_VISIBLE_DEVICES.
+
+Children run in subprocesses where a property needs a fresh process (no CUDA context yet, a fault
+that poisons the context, a SIGKILLed exporter, another device enumeration).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import re
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+REPO = Path(__file__).resolve().parents[2]
+MiB = 1 << 20
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **extra}
+
+
+def run_child(code: str, *, pass_fds: tuple[int, ...] = (), timeout: float = 180,
+              **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], pass_fds=pass_fds, env=child_env(**env),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def as_bytes(t: Any) -> Any:
+    """The raw bytes of a tensor as a flat uint8 tensor (bit-exact comparison for any dtype)."""
+    return t.contiguous().reshape(-1).view(__import__("torch").uint8)
+
+
+@pytest.fixture(scope="module")
+def backend() -> Any:
+    from wcd.arenas.cuda import CudaBackend
+
+    # Staging buffers smaller than the copy chunks, so the writer's splitting and buffer rotation run.
+    return CudaBackend(staging_bytes=1 * MiB, staging_buffers=2)
+
+
+@pytest.fixture(scope="module")
+def uuid(backend: Any) -> str:
+    return backend.canonical("cuda:0")
+
+
+def filled_arena(backend: Any, tmp_path: Path, nbytes: int) -> tuple[Any, bytes, Path]:
+    """An arena whose first `nbytes` were written through CudaWriter from a file of random bytes."""
+    data = os.urandom(nbytes)
+    path = tmp_path / f"blob-{nbytes}"
+    path.write_bytes(data)
+    arena = backend.create("cuda:0", backend.arena_size(nbytes, "cuda:0"), path.name)
+    writer = arena.writer()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        writer.copy_from_file(fd, 0, 0, nbytes)
+    finally:
+        os.close(fd)
+        writer.close()
+    return arena, data, path
+
+
+def arena_desc(arena: Any) -> dict[str, Any]:
+    return {"kind": arena.kind, "size": arena.size, "device": arena.device}
+
+
+def test_canonical_names_and_uuid(backend: Any, uuid: str) -> None:
+    import torch
+
+    from wcd.arenas.cuda import gpus
+    from wcd.errors import BadRequest
+
+    assert re.fullmatch(r"GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", uuid)
+    assert backend.canonical(uuid) == backend.canonical(uuid.upper().replace("GPU-", "gpu-")) == uuid
+    assert backend.canonical("cuda") == uuid
+    assert uuid.endswith(str(torch.cuda.get_device_properties(0).uuid))
+    if shutil.which("nvidia-smi"):  # the format must be exactly nvidia-smi's
+        assert f"(UUID: {uuid})" in subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
+    with pytest.raises(BadRequest, match="not visible"):
+        backend.canonical(f"cuda:{len(gpus())}")
+    with pytest.raises(BadRequest, match="not visible"):
+        backend.canonical("GPU-00000000-0000-0000-0000-000000000000")
+    info = backend.info("cuda:0")
+    assert info.device == uuid and info.name.endswith("(cuda:0)") and 0 < info.free <= info.total
+    print(f"[gpu-info] {info}")
+
+
+def test_create_and_export_without_a_cuda_context() -> None:
+    out = run_child("""
+        import json, time
+        from cuda.bindings import driver as cuda
+        from wcd.arenas.cuda import CudaBackend, _nvml
+        b = CudaBackend()
+        t0 = time.perf_counter()
+        a = b.create("cuda:0", b.arena_size(3 << 30, "cuda:0"), "noctx")
+        t1 = time.perf_counter()
+        ctx = int(cuda.cuCtxGetCurrent()[1])
+        active = cuda.cuDevicePrimaryCtxGetState(0)[2]
+        info = b.info("cuda:0")
+        active_after_info = cuda.cuDevicePrimaryCtxGetState(0)[2]
+        t2 = time.perf_counter()
+        w = a.writer()  # retains (creates) the primary context
+        t3 = time.perf_counter()
+        w.close()
+        res = dict(ctx=ctx, active=bool(active), active_after_info=bool(active_after_info), fd=a.fd(),
+                   size=a.size, create_ms=(t1 - t0) * 1e3, writer_ms=(t3 - t2) * 1e3, nvml=_nvml() is not None)
+        a.close()
+        print(json.dumps(res))
+    """)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout.splitlines()[-1])
+    print(f"[gpu-info] create/export without context: {res}")
+    assert res["ctx"] == 0 and not res["active"] and res["fd"] >= 0
+    assert res["size"] >= 3 << 30 and res["size"] % (2 * MiB) == 0
+    if res["nvml"]:
+        assert not res["active_after_info"], "info() created a CUDA context although NVML is available"
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    d = tmp_path_factory.mktemp("ckpt")
+    save_file({
+        "a.bf16": torch.randn(1024, 1280, generator=g).to(torch.bfloat16),
+        "a.f16": torch.randn(333, 7, generator=g).to(torch.float16),
+        "a.f32": torch.randn(1000, generator=g),
+        "a.scalar": torch.tensor(3.5),
+        "a.empty": torch.empty(0, 4),
+        "a.i64": torch.randint(-(2**62), 2**62, (17,), generator=g),
+        "a.bool": torch.rand(13, generator=g) > 0.5,
+    }, d / "model-00001-of-00002.safetensors")
+    save_file({
+        "b.fp8": torch.randn(2048, 1024, generator=g).to(torch.float8_e4m3fn),
+        "b.fp8e5": torch.randn(100, generator=g).to(torch.float8_e5m2),
+        "b.i8": torch.randint(-128, 127, (77,), dtype=torch.int8, generator=g),
+        "b.u8": torch.randint(0, 255, (5, 3), dtype=torch.uint8, generator=g),
+        "b.big": torch.randn(3 * 1024 * 1024 + 5, generator=g).to(torch.bfloat16),
+        "b.odd": torch.randn(3, 5, 7, generator=g).to(torch.bfloat16),
+    }, d / "model-00002-of-00002.safetensors")
+    return d
+
+
+def test_fill_from_safetensors_is_bit_identical(backend: Any, uuid: str, checkpoint_dir: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    from wcd.checkpoint import Checkpoint
+    from wcd.loader import Progress, fill_arena
+    from wcd.views import map_arena
+
+    ckpt = Checkpoint.open(checkpoint_dir)
+    manifest = ckpt.manifest()
+    arena = backend.create(uuid, backend.arena_size(manifest.size, uuid), "fill-test")
+    try:
+        assert arena.kind == "cuda" and arena.device == uuid
+        progress = Progress(ckpt.nbytes)
+        # 3 MiB chunks over 1 MiB staging buffers: chunks are split, buffers rotate, 4 threads at once.
+        fill_arena(arena, ckpt, ckpt.copy_plan(manifest, chunk=3 * MiB), progress, workers=4)
+        assert progress.done == ckpt.nbytes
+        ref: dict[str, torch.Tensor] = {}
+        for f in sorted(checkpoint_dir.glob("*.safetensors")):
+            ref.update(load_file(f))
+        mapped = map_arena(arena_desc(arena), os.dup(arena.fd()), manifest, writable=False)
+        assert set(mapped.tensors) == set(ref)
+        for name, want in ref.items():
+            got = mapped.tensors[name]
+            assert got.is_cuda and got.dtype == want.dtype and got.shape == want.shape, name
+            assert torch.equal(as_bytes(got.cpu()), as_bytes(want)), name
+        big = mapped.tensors["b.big"].float().sum().item()
+        assert big == pytest.approx(ref["b.big"].float().sum().item(), rel=1e-3)
+        spec = {t.name: t for t in manifest.tensors}["b.big"]
+        assert arena.read(spec.offset, spec.nbytes) == as_bytes(ref["b.big"]).numpy().tobytes()
+        assert arena.read(spec.offset + 12345, 7) == as_bytes(ref["b.big"])[12345:12352].numpy().tobytes()
+        del got
+        mapped.close()
+    finally:
+        arena.close()
+
+
+def test_write_through_a_read_lease_faults_in_the_client_only(backend: Any, tmp_path: Path) -> None:
+    n = 4 * MiB
+    arena, data, _ = filled_arena(backend, tmp_path, n)
+    fd = os.dup(arena.fd())
+    try:
+        out = run_child(f"""
+            import sys, torch
+            from wcd.manifest import Manifest
+            from wcd.views import map_arena
+            m = Manifest.build([("w", "U8", [{n}])])
+            t = map_arena({arena_desc(arena)!r}, {fd}, m, writable=False).tensors["w"]
+            print("MAPPED", int(t[:4096].sum()))
+            try:
+                t.fill_(7)
+                torch.cuda.synchronize()
+            except Exception as e:
+                print("FAULT", type(e).__name__, str(e).splitlines()[0])
+                sys.exit(3)
+            print("WROTE")
+        """, pass_fds=(fd,))
+    finally:
+        os.close(fd)
+    print(f"[gpu-info] read-lease write: rc={out.returncode} {out.stdout.strip()!r}")
+    assert "MAPPED" in out.stdout, out.stderr
+    assert "WROTE" not in out.stdout and out.returncode != 0
+    assert arena.read(0, n) == data
+    arena.close()
+
+
+def test_fill_lease_maps_writable_and_unmaps_only_without_views(backend: Any) -> None:
+    import torch
+
+    from wcd.errors import BadRequest
+    from wcd.manifest import Manifest
+    from wcd.views import map_arena
+
+    n = 1 << 20
+    arena = backend.create("cuda:0", backend.arena_size(4 * n, "cuda:0"), "publish")
+    try:
+        fill = map_arena(arena_desc(arena), os.dup(arena.fd()), Manifest.build([("w", "F32", [n])]), writable=True)
+        src = torch.randn(n, device="cuda:0")
+        t = fill.tensors["w"]
+        t.copy_(src)
+        torch.cuda.synchronize()
+        with pytest.raises(BadRequest, match="still referenced"):
+            fill.unmap_writable()
+        del t
+        fill.unmap_writable()
+        assert arena.read(0, 4 * n) == src.cpu().numpy().tobytes()
+    finally:
+        arena.close()
+
+
+def test_closing_every_fd_and_mapping_returns_the_memory(backend: Any) -> None:
+    import torch
+
+    from wcd.manifest import Manifest
+    from wcd.views import map_arena
+
+    def free() -> int:
+        torch.cuda.synchronize()
+        return torch.cuda.mem_get_info(0)[0]
+
+    size = 2 << 30
+    torch.zeros(1, device="cuda:0")  # context exists before the first measurement
+    free0 = free()
+    arena = backend.create("cuda:0", backend.arena_size(size, "cuda:0"), "mem")
+    assert free0 - free() >= size
+    spare = os.dup(arena.fd())  # e.g. parked in systemd's fd store
+    mapped = map_arena(arena_desc(arena), os.dup(arena.fd()), Manifest.build([("w", "U8", [size])]), writable=False)
+    t = mapped.tensors["w"]
+    arena.close()  # the daemon lets go: handle released, its fd closed
+    mapped.close()  # the client forgets its views, but `t` is still referenced
+    assert int(t[-1].item()) >= 0 and free0 - free() >= size
+    del t
+    gc.collect()
+    assert free0 - free() >= size, "memory returned while an exported fd was still open"
+    os.close(spare)
+    assert free() >= free0 - 64 * MiB, "memory not returned after the last fd and mapping closed"
+
+
+def test_client_keeps_computing_after_the_exporter_is_sigkilled(tmp_path: Path) -> None:
+    n = 8 * MiB
+    path = tmp_path / "blob"
+    path.write_bytes(os.urandom(n))
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    exporter = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import os, socket, time
+        from wcd.arenas.cuda import CudaBackend
+        b = CudaBackend()
+        a = b.create("cuda:0", b.arena_size({n}, "cuda:0"), "exporter")
+        w = a.writer()
+        fd = os.open({str(path)!r}, os.O_RDONLY)
+        w.copy_from_file(fd, 0, 0, {n})
+        w.close()
+        socket.send_fds(socket.socket(fileno={theirs.fileno()}), [f"{{a.size}} {{a.device}}".encode()], [a.fd()])
+        time.sleep(600)
+    """)], pass_fds=(theirs.fileno(),), env=child_env())
+    theirs.close()
+    client = None
+    try:
+        msg, fds, _, _ = socket.recv_fds(ours, 1024, 1)
+        assert fds, "the exporter sent no fd"
+        size, device = msg.decode().split()
+        client = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+            import sys, torch
+            from wcd.manifest import Manifest
+            from wcd.views import map_arena
+            t = map_arena({{"kind": "cuda", "size": {size}, "device": {device!r}}}, {fds[0]},
+                          Manifest.build([("w", "U8", [{n}])]), writable=False).tensors["w"]
+            want = torch.frombuffer(bytearray(open({str(path)!r}, "rb").read()), dtype=torch.uint8).cuda()
+            assert torch.equal(t, want)
+            print("READY", flush=True)
+            sys.stdin.readline()  # the exporter is dead now
+            for _ in range(5):
+                assert torch.equal(t, want)
+                assert torch.equal((t.to(torch.int32) * 3 - 1).sum(), (want.to(torch.int32) * 3 - 1).sum())
+            torch.cuda.synchronize()
+            print("OK", flush=True)
+        """)], pass_fds=(fds[0],), env=child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True)
+        os.close(fds[0])
+        assert client.stdout is not None and client.stdin is not None
+        ready, _, _ = select.select([client.stdout], [], [], 180)
+        line = client.stdout.readline().strip() if ready else ""
+        if line != "READY":
+            client.kill()
+            pytest.fail(f"client not ready ({line!r}): {client.communicate()[1][-3000:]}")
+        exporter.send_signal(signal.SIGKILL)
+        assert exporter.wait(30) == -signal.SIGKILL
+        client.stdin.write("go\n")
+        client.stdin.flush()
+        out, err = client.communicate(timeout=120)
+        assert client.returncode == 0 and "OK" in out, err
+    finally:
+        ours.close()
+        for p in (exporter, client):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_client_finds_the_gpu_by_uuid_under_another_visible_devices_order(backend: Any, tmp_path: Path) -> None:
+    from wcd.arenas.cuda import gpus
+
+    n = 2 * MiB
+    arena, _, path = filled_arena(backend, tmp_path, n)
+    uuids = [g.uuid for g in gpus()]
+    # Reversed enumeration: the daemon's cuda:0 is the client's cuda:{len-1}. On one GPU this still
+    # exercises the lookup by UUID through a UUID-valued CUDA_VISIBLE_DEVICES.
+    order = ",".join(reversed(uuids))
+    code = f"""
+        import torch
+        from wcd.arenas.cuda import find_gpu
+        from wcd.errors import BadRequest
+        from wcd.manifest import Manifest
+        from wcd.views import map_arena
+        try:
+            t = map_arena({arena_desc(arena)!r}, FD, Manifest.build([("w", "U8", [{n}])]), writable=False).tensors["w"]
+        except BadRequest as e:
+            print("BADREQUEST", e)
+            raise SystemExit(0)
+        assert t.device.index == find_gpu({arena.device!r}).ordinal == {len(uuids) - 1}
+        assert bytes(t.cpu().numpy()) == open({str(path)!r}, "rb").read()
+        print("OK", t.device)
+    """
+    try:
+        for visible, expect in ((order, "OK"), ("", "BADREQUEST")):
+            fd = os.dup(arena.fd())
+            try:
+                out = run_child(code.replace("FD", str(fd)), pass_fds=(fd,), CUDA_VISIBLE_DEVICES=visible)
+            finally:
+                os.close(fd)
+            print(f"[gpu-info] CUDA_VISIBLE_DEVICES={visible!r}: {out.stdout.strip()!r}")
+            assert out.returncode == 0 and out.stdout.startswith(expect), out.stderr
+        assert "not visible to this process" in out.stdout
+    finally:
+        arena.close()
+
+
+def test_adopt_a_parked_arena_fd_after_a_restart(backend: Any, tmp_path: Path) -> None:
+    from wcd.errors import BadRequest
+
+    n = 3 * MiB
+    arena, data, _ = filled_arena(backend, tmp_path, n)
+    parked = os.dup(arena.fd())  # what systemd's fd store hands back to the next daemon
+    device, size = arena.device, arena.size
+    arena.close()  # the old daemon is gone
+    adopted = backend.adopt(parked, device, size, "adopted")
+    try:
+        assert adopted.fd() == parked and adopted.size == size and adopted.read(0, n) == data
+        spare = os.dup(parked)
+        with pytest.raises(BadRequest, match="smaller than"):
+            backend.adopt(spare, device, size + 2 * MiB, "too-big")
+        os.close(spare)
+    finally:
+        adopted.close()
+    out = run_child("""
+        import os
+        from wcd.arenas.cuda import CudaBackend
+        from wcd.errors import BadRequest
+        fd = os.memfd_create("not-cuda")
+        os.ftruncate(fd, 2 << 20)
+        try:
+            CudaBackend().adopt(fd, "cuda:0", 2 << 20, "memfd")
+        except BadRequest as e:
+            print("BADREQUEST", e)
+    """)
+    print(f"[gpu-info] adopt a memfd: {out.stdout.strip()!r}")
+    assert out.stdout.startswith("BADREQUEST") and "not an exported CUDA arena" in out.stdout, out.stderr
+
+
+def test_out_of_memory_is_one_clear_line(backend: Any, uuid: str) -> None:
+    from wcd.errors import OutOfMemory
+
+    too_big = backend.arena_size(2 * backend.info(uuid).total, uuid)
+    with pytest.raises(OutOfMemory) as e:
+        backend.create(uuid, too_big, "huge")
+    print(f"[gpu-info] OOM: {e.value}")
+    assert "\n" not in str(e.value) and uuid in str(e.value)

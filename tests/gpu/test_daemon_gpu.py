@@ -1,0 +1,81 @@
+"""A real daemon serving CUDA arenas: configured load, acquire, verify, publish, and an engine that
+keeps computing after the daemon is SIGKILLed."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.integration.conftest import checkpoint, make_daemon, mixed_tensors, same  # noqa: F401  (fixtures)
+from wcd.key import WeightCacheKey
+
+pytestmark = pytest.mark.gpu
+
+GPU_BUDGET = '[daemon.budget]\n"cuda:0" = "8GiB"\n'
+
+
+def gpu_model(path: Path, name: str = "m") -> str:
+    return f'\n[[models]]\nname = "{name}"\npath = "{path}"\ndevice = "cuda:0"\nretention = "pinned"\n'
+
+
+def expected_tensors(path: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def test_configured_gpu_model_acquire_verify_status(make_daemon: Any, checkpoint: Any) -> None:  # noqa: F811
+    from wcd.arenas.cuda import find_gpu
+
+    path, _ = checkpoint
+    d = make_daemon(GPU_BUDGET + gpu_model(path))
+    uuid = find_gpu("cuda:0").uuid
+    expected = expected_tensors(path)
+    with d.client() as c:
+        with c.acquire("m") as lease:
+            assert lease.key.device == uuid and lease.arena["kind"] == "cuda"
+            assert set(lease.tensors) == set(expected)
+            for name, t in expected.items():
+                got = lease.tensors[name]
+                assert got.is_cuda and same(got.cpu(), t), name
+            del got
+        assert c.verify("m")["match"] is True
+        devices = {dev["device"]: dev for dev in c.status()["devices"]}
+        assert devices[uuid]["name"].endswith("(cuda:0)") and devices[uuid]["used"] > 0
+    assert d.stop() == 0
+
+
+def test_publish_on_gpu_and_acquire_by_key(make_daemon: Any) -> None:  # noqa: F811
+    from wcd.arenas.cuda import find_gpu
+
+    d = make_daemon(GPU_BUDGET)
+    key = WeightCacheKey(model="q", transform="test/fp8", device=find_gpu("cuda:0").uuid)
+    tensors = {n: t.cuda() for n, t in mixed_tensors(1).items()}
+    with d.client() as pub:
+        name = pub.publish(key, tensors)
+    with d.client() as c, c.acquire(key) as lease:
+        assert lease.entry == name
+        assert all(same(lease.tensors[n], t) for n, t in tensors.items())
+        assert c.verify(name)["match"] is True
+
+
+def test_engine_keeps_computing_after_the_daemon_is_sigkilled(make_daemon: Any, checkpoint: Any) -> None:  # noqa: F811
+    path, _ = checkpoint
+    d = make_daemon(GPU_BUDGET + gpu_model(path))
+    expected = {n: t.cuda() for n, t in expected_tensors(path).items()}
+    c = d.client(heartbeats=False)
+    lease = c.acquire("m")
+    w = lease.tensors["w.bf16"]
+    before = (w.float() @ w.float().T).sum().item()
+    d.proc.send_signal(signal.SIGKILL)
+    assert d.proc.wait(30) == -signal.SIGKILL
+    for _ in range(3):
+        assert (w.float() @ w.float().T).sum().item() == before
+        assert all(same(lease.tensors[n], t) for n, t in expected.items())
+    torch.cuda.synchronize()

@@ -1,0 +1,93 @@
+"""Client side of CUDA arenas: import an exported arena fd, map it, view it as one uint8 tensor.
+
+The GPU is found by UUID in this process's own enumeration, so CUDA_VISIBLE_DEVICES remapping
+works. Read leases map with PROT_READ: a stray write faults in this engine and never reaches the
+shared copy. Fill leases map read-write. The mapping lives as long as any tensor over it (like
+host arenas); `close` never unmaps under a live view. Imports torch; the daemon never does.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from cuda.bindings import driver as cuda
+
+from wcd.arenas.cuda import (
+    POSIX_FD, Gpu, VaMapping, _check, _cleanup, current, find_gpu, release_context, retain_context,
+)
+from wcd.errors import Internal
+
+
+class _Memory:
+    """What a tensor built through `__cuda_array_interface__` holds on to: when torch frees the last
+    storage over it, this object dies and its finalizer unmaps."""
+
+    def __init__(self, ptr: int, size: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+
+
+class CudaMapping:
+    """One imported and mapped arena (the `mapping` half of `map_cuda_arena`'s result)."""
+
+    def __init__(self, fd: int, size: int, gpu: Gpu, writable: bool) -> None:
+        self.gpu, self.size, self.writable = gpu, size, writable
+        torch.cuda.init()
+        # The primary context is the one torch's runtime uses: retaining it here makes the mapping
+        # visible to torch's kernels, and keeps the context alive until we unmap.
+        ctx = retain_context(gpu)
+        try:
+            with current(ctx):
+                handle = _check(cuda.cuMemImportFromShareableHandle(fd, POSIX_FD), "cuMemImportFromShareableHandle")
+                try:
+                    va = VaMapping(handle, gpu, size, writable)
+                except BaseException:
+                    cuda.cuMemRelease(handle)
+                    raise
+        except BaseException:
+            release_context(gpu)
+            raise
+        memory = _Memory(va.ptr, size)
+        self._finalizer = weakref.finalize(memory, _unmap, gpu, ctx, handle, va)
+        self._finalizer.atexit = False  # at exit the driver reclaims everything; don't call into it
+        try:
+            with torch.cuda.device(gpu.ordinal):
+                self._base: torch.Tensor | None = torch.as_tensor(memory, device=f"cuda:{gpu.ordinal}")
+        except RuntimeError as e:
+            raise Internal(f"cannot view mapped GPU memory as a torch tensor ({e}); torch needs numpy here") from None
+        if self._base.data_ptr() != va.ptr:
+            raise Internal("torch copied the mapped arena instead of viewing it")
+
+    def take_base(self) -> torch.Tensor:
+        """The uint8 tensor over the whole arena; the mapping keeps no reference to it."""
+        base, self._base = self._base, None
+        if base is None:
+            raise Internal("the base tensor of a CUDA mapping was already taken")
+        return base
+
+    def close(self) -> None:
+        """Unmap now if no tensor refers to the arena any more; else raise BufferError (as `mmap.close`
+        does), and the memory is unmapped when the last tensor over it is freed."""
+        self._base = None
+        if self._finalizer.alive:
+            raise BufferError("tensors over this CUDA arena are still referenced; it unmaps when the last one dies")
+
+
+def _unmap(gpu: Gpu, ctx: Any, handle: Any, va: VaMapping) -> None:
+    # Synchronize first: a kernel still reading the arena must finish before its pages go away.
+    try:
+        with current(ctx):
+            _cleanup(lambda: _check(cuda.cuCtxSynchronize(), "cuCtxSynchronize"), va.close,
+                     lambda: _check(cuda.cuMemRelease(handle), "cuMemRelease"))
+    finally:
+        release_context(gpu)
+
+
+def map_cuda_arena(fd: int, size: int, device: str, writable: bool) -> tuple[torch.Tensor, CudaMapping]:
+    """Map an exported arena fd (the caller keeps and closes `fd`) on the GPU with UUID `device`.
+
+    Raises `BadRequest` when that GPU is not visible to this process.
+    """
+    mapping = CudaMapping(fd, size, find_gpu(device), writable)
+    return mapping.take_base(), mapping
