@@ -207,11 +207,12 @@ class Cache:
 
     # -- leases -----------------------------------------------------------------------------
 
-    def acquire(self, entry: Entry, owner: Hashable, pid: int = 0, uid: int = 0) -> Lease:
+    def acquire(self, entry: Entry, owner: Hashable, pid: int = 0, uid: int = 0, ttl_s: float | None = None) -> Lease:
+        """A read lease; `ttl_s` overrides the heartbeat TTL (the daemon's own holds use infinity)."""
         if entry.state != "ready":
             raise Busy(f"entry {entry.name!r} is {entry.state}", {"name": entry.name, "state": entry.state})
         entry.acquires += 1
-        return self._new_lease(entry, "read", owner, pid, uid)
+        return self._new_lease(entry, "read", owner, pid, uid, ttl_s)
 
     def reserve(
         self, name: str, key: WeightCacheKey, manifest: Manifest, nbytes: int, retention: Retention,
@@ -220,9 +221,10 @@ class Cache:
         entry, victims = self.admit(name, key, manifest, nbytes, retention, "publish")
         return entry, self._new_lease(entry, "fill", owner, pid, uid), victims
 
-    def _new_lease(self, entry: Entry, kind: LeaseKind, owner: Hashable, pid: int, uid: int) -> Lease:
+    def _new_lease(self, entry: Entry, kind: LeaseKind, owner: Hashable, pid: int, uid: int,
+                   ttl_s: float | None = None) -> Lease:
         now = self.clock()
-        lease = Lease(next(self._ids), entry, kind, owner, pid, uid, now + self.lease_ttl_s)
+        lease = Lease(next(self._ids), entry, kind, owner, pid, uid, now + (ttl_s or self.lease_ttl_s))
         entry.leases[lease.id] = lease
         entry.last_used = now
         self.leases[lease.id] = lease

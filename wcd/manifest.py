@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from functools import cached_property
+from typing import Any, NamedTuple
 
 from wcd.errors import BadRequest
 
@@ -35,8 +36,7 @@ def align_up(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
 
 
-@dataclass(frozen=True, slots=True)
-class TensorSpec:
+class TensorSpec(NamedTuple):  # a tuple: built thousands of times per attach, it must be cheap
     name: str
     dtype: str
     shape: tuple[int, ...]
@@ -100,6 +100,11 @@ class Manifest:
 
     def to_wire(self) -> dict[str, Any]:
         return {"size": self.size, "tensors": [[t.name, t.dtype, list(t.shape), t.offset] for t in self.tensors]}
+
+    @cached_property
+    def wire(self) -> dict[str, Any]:
+        """`to_wire()`, built once: the daemon sends the same manifest on every acquire."""
+        return self.to_wire()
 
     @classmethod
     def from_wire(cls, obj: Any) -> Manifest:

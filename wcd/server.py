@@ -14,6 +14,7 @@ import errno
 import grp
 import hashlib
 import logging
+import math
 import os
 import pwd
 import signal
@@ -678,7 +679,8 @@ class Server:
         now = self.cache.clock()
         conn.send(protocol.ok(req.id, leases=[
             {"id": lease.id, "entry": lease.entry.name, "kind": lease.kind, "pid": lease.pid, "uid": lease.uid,
-             "expires_in_s": round(lease.expires_at - now, 3)} for lease in self.cache.leases.values()]))
+             "expires_in_s": round(lease.expires_at - now, 3) if math.isfinite(lease.expires_at) else None}
+            for lease in self.cache.leases.values()]))
 
     def op_heartbeat(self, conn: Connection, req: protocol.Heartbeat) -> None:
         conn.send(protocol.ok(req.id, lost=self.cache.heartbeat(conn, req.leases)))
@@ -738,7 +740,7 @@ class Server:
         entry, arena = lease.entry, lease.entry.arena
         conn.send(protocol.ok(
             req_id, lease=lease.id, kind=lease.kind, entry=entry.name, key=entry.key.model_dump(),
-            manifest=entry.manifest.to_wire(), ttl_s=self.cache.lease_ttl_s,
+            manifest=entry.manifest.wire, ttl_s=self.cache.lease_ttl_s,
             arena={"kind": arena.kind, "size": arena.size, "device": arena.device}), [arena.fd()])
 
     async def op_reserve(self, conn: Connection, req: protocol.Reserve) -> None:
@@ -788,7 +790,10 @@ class Server:
 
     async def op_verify(self, conn: Connection, req: protocol.Verify) -> None:
         entry = await self._wait_ready(self.cache.find(self._target(req)), 24 * 3600)
-        lease = self.cache.acquire(entry, conn, conn.pid, conn.uid)  # pins the arena while hashing
+        # The daemon's own hold on the arena while hashing: no heartbeats, so no expiry, and its
+        # own owner, so it ends here whatever happens to the connection.
+        holder = object()
+        lease = self.cache.acquire(entry, holder, os.getpid(), os.getuid(), ttl_s=math.inf)
         try:
             actual = await asyncio.to_thread(digest_arena, entry.arena, entry.manifest)
             if entry.origin == "publish":
@@ -799,7 +804,7 @@ class Server:
                 ckpt = await asyncio.to_thread(Checkpoint.open, entry.key.path)
                 expected, source = await asyncio.to_thread(digest_checkpoint, ckpt), str(ckpt.path)
         finally:
-            self._reclaim(self.cache.release(conn, lease.id))
+            self._reclaim(self.cache.release(holder, lease.id))
         mismatched = sorted(n for n in set(actual) | set(expected) if actual.get(n) != expected.get(n))
         total = hashlib.blake2b(digest_size=16)
         for name in sorted(actual):

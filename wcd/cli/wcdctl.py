@@ -102,7 +102,7 @@ def _render(cmd: str, r: dict[str, Any]) -> str:
     if cmd == "list":
         return _entries(r["entries"])
     if cmd == "leases":
-        rows = [[str(x["id"]), x["entry"], x["kind"], str(x["pid"]), str(x["uid"]), f"{x['expires_in_s']:.1f}s"]
+        rows = [[str(x["id"]), x["entry"], x["kind"], str(x["pid"]), str(x["uid"]), f"{x['expires_in_s']:.1f}s" if x["expires_in_s"] is not None else "held by wcd"]
                 for x in r["leases"]]
         return _table(["LEASE", "ENTRY", "KIND", "PID", "UID", "EXPIRES IN"], rows) if rows else "no leases"
     if cmd == "ping":

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The device-machine session in two calls (each under the 10-minute limit), with `carry [".whl"]`:
+#   bash bench/device_run.sh tests    GPU tests + multi-GPU run (needs 2+ GPUs for the latter)
+#   bash bench/device_run.sh bench    the 32 GB side-by-side benchmark
+# Logs and JSON land in $OUT (the device tool brings them back).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/wcd-device-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi -L | tee "$OUT/gpus.txt"; nproc; free -g | head -2
+case "${1:-tests}" in
+  tests)
+    timeout 300 python3 -m pytest tests/gpu -v -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
+      | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" | cut -c1-300
+    if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+      timeout 280 python3 bench/multi_gpu.py --dir /tmp/wcd-multi --size-gb "${2:-4}" --out "$OUT/multi_gpu.json" \
+        2>&1 | tee "$OUT/multi_gpu.log" | tail -60
+    fi ;;
+  bench)
+    timeout 560 python3 bench/bench_gpu.py --dir /tmp/wcd-bench-32 --size-gb "${2:-32}" --out "$OUT/bench_gpu.json" \
+      2>&1 | tee "$OUT/bench_gpu.log" | grep -v "^\[bench\]" ;;
+esac
