@@ -13,6 +13,7 @@ import itertools
 import logging
 import os
 import socket
+import sys
 import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -160,6 +161,21 @@ class Client:
             raise
         self.lease_ttl_s: float = self.server["lease_ttl_s"]
         self._heartbeats = heartbeats
+        self._preload_mapping()
+
+    def _preload_mapping(self) -> None:
+        """Import the mapping code at connect time, not inside the first attach (an engine connects
+        early): cuda-bindings alone takes ~20 ms to import. Only in processes that already use
+        torch, so wcdctl stays light; a failure here resurfaces, with its message, at acquire."""
+        if "torch" not in sys.modules:
+            return
+        try:
+            import wcd.views  # noqa: F401
+
+            if "cuda-arenas" in self.server.get("features", ()):
+                import wcd.arenas.cuda_map  # noqa: F401
+        except ImportError:
+            pass
 
     # -- plumbing ---------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any, NamedTuple
 
 from wcd.errors import BadRequest
@@ -46,11 +46,23 @@ class TensorSpec(NamedTuple):  # a tuple: built thousands of times per attach, i
     @property
     def strides(self) -> tuple[int, ...]:
         """Element strides of the C-contiguous layout."""
-        out, acc = [], 1
-        for d in reversed(self.shape):
-            out.append(acc)
-            acc *= d
-        return tuple(reversed(out))
+        return contiguous_strides(self.shape)
+
+
+# Models repeat a handful of shapes across thousands of tensors: per-shape results are cached so
+# that decoding a manifest on every attach costs a dictionary lookup per tensor, not a loop.
+@lru_cache(maxsize=4096)
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for d in reversed(shape):
+        out.append(acc)
+        acc *= d
+    return tuple(reversed(out))
+
+
+@lru_cache(maxsize=4096)
+def _layout_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    return tensor_nbytes("", dtype, shape)
 
 
 def tensor_nbytes(name: str, dtype: str, shape: Sequence[int]) -> int:
@@ -123,7 +135,14 @@ class Manifest:
             if name in seen:
                 raise BadRequest(f"tensor {name!r} appears twice", {"tensor": name})
             seen.add(name)
-            nbytes = tensor_nbytes(name, dtype, shape)
+            # The cache compares by ==, so 1.0 and True would pass for 1: only exact ints go through it.
+            if type(dtype) is str and all(type(d) is int for d in shape):
+                try:
+                    nbytes = _layout_nbytes(dtype, shape)
+                except BadRequest:
+                    nbytes = tensor_nbytes(name, dtype, shape)  # the same error, naming the tensor
+            else:
+                nbytes = tensor_nbytes(name, dtype, shape)
             if type(offset) is not int or offset < 0 or offset % ALIGN or offset + nbytes > size:
                 raise BadRequest(f"tensor {name!r}: offset {offset!r} not aligned or outside the arena", {"tensor": name})
             specs.append(TensorSpec(name, dtype, shape, offset, nbytes))
