@@ -11,7 +11,7 @@ SPEC := $(shell cat pyproject.toml | sha256sum | cut -c1-12)-$(shell echo '$(TOR
 VENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/wcd/venv-$(SPEC)
 BIN := $(VENV)/bin
 
-.PHONY: venv demo test test-unit test-integration bench clean-venv
+.PHONY: venv demo test test-unit test-package test-system package bench clean-venv
 
 $(VENV)/.ready:
 	rm -rf "$(VENV)"
@@ -27,8 +27,20 @@ venv: $(VENV)/.ready
 demo: venv
 	"$(BIN)/wcd" demo
 
+# Unit, integration (a real daemon over a real socket), CLI and GPU tests (GPU ones skip without a GPU).
 test: venv
-	"$(BIN)/python" -m pytest -q -p no:cacheprovider tests
+	"$(BIN)/python" -m pytest -q -p no:cacheprovider -m "not package and not system" tests
+
+# Builds the Debian package and checks it (installs debhelper and lintian with apt-get if missing).
+test-package: venv
+	"$(BIN)/python" -m pytest -q -p no:cacheprovider -m package tests/packaging
+
+# Boots systemd 252 in a container (systemd-nspawn) and runs the real units.
+test-system: venv
+	"$(BIN)/python" -m pytest -q -p no:cacheprovider -m system tests/system
+
+package:
+	bash packaging/build-deb.sh
 
 test-unit: venv
 	"$(BIN)/python" -m pytest -q -p no:cacheprovider tests/unit

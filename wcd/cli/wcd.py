@@ -28,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve_main(args)
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        die("wcd demo", "needs torch on the engine side: pip install 'wcd[torch]' (the daemon itself does not)", 1)
     from wcd.demo import run_demo
 
     try:
