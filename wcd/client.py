@@ -129,8 +129,10 @@ class Client:
     def __init__(self, path: str | os.PathLike[str] | None = None, *, name: str = "",
                  timeout: float | None = None, heartbeats: bool = True) -> None:
         self.path = os.fspath(path) if path is not None else default_socket()
+        self.name = name or f"wcd-client {__version__} pid {os.getpid()}"
+        self._timeout = timeout
         self._ids = itertools.count(1)
-        self._send_lock = threading.Lock()
+        self._send_lock = threading.RLock()  # reentrant: a reconnect sends hello while holding it
         self._cond = threading.Condition()
         self._replies: dict[int | None, tuple[dict[str, Any], list[int]]] = {}
         self._reading = False
@@ -139,29 +141,51 @@ class Client:
         self._leases: dict[int, Lease] = {}
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        self.sock.settimeout(timeout)
+        self._heartbeats = heartbeats
+        self._connect()
+        self._preload_mapping()
+
+    def _connect(self) -> None:
+        """Open the socket and say hello (again, after the daemon restarted)."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock.settimeout(self._timeout)
         try:
-            self.sock.connect(self.path)
+            sock.connect(self.path)
         except (FileNotFoundError, ConnectionRefusedError):
-            self.sock.close()
+            sock.close()
             raise DaemonUnavailable(f"daemon not running at {self.path} (is wcd@NAME.socket started?)") from None
         except PermissionError:
-            self.sock.close()
+            sock.close()
             raise PermissionDenied(f"{self.path}: permission denied (join the socket's group, usually 'wcd')",
                                    {"stage": "connect"}) from None
         except OSError as e:
-            self.sock.close()
+            sock.close()
             raise DaemonUnavailable(f"cannot connect to {self.path}: {e.strerror}") from None
+        self.sock = sock
         try:
-            self.server = self.request("hello", versions=list(protocol.SUPPORTED_VERSIONS),
-                                       client=name or f"wcd-client {__version__} pid {os.getpid()}")
+            self.server = self.request("hello", versions=list(protocol.SUPPORTED_VERSIONS), client=self.name)
         except BaseException:
             self.sock.close()
             raise
         self.lease_ttl_s: float = self.server["lease_ttl_s"]
-        self._heartbeats = heartbeats
-        self._preload_mapping()
+
+    def _reconnect(self) -> None:
+        """The connection broke (daemon restarted): leases held on it are gone; connect anew."""
+        with self._cond:
+            lost, self._leases = list(self._leases.values()), {}
+            for _, fds in self._replies.values():
+                for fd in fds:
+                    os.close(fd)
+            self._replies.clear()
+        for lease in lost:
+            lease.lost = True
+        self.sock.close()
+        for fd in self._decoder.take_fds():
+            os.close(fd)
+        self._decoder = protocol.FrameDecoder()
+        self._broken = None
+        self._connect()
+        log.info("wcd: reconnected to %s (%d lease(s) from the old connection are lost)", self.path, len(lost))
 
     def _preload_mapping(self) -> None:
         """Import the mapping code at connect time, not inside the first attach (an engine connects
@@ -190,7 +214,9 @@ class Client:
         req_id = next(self._ids)
         data = protocol.encode({"op": op, "id": req_id, **fields})
         with self._send_lock:
-            if self._broken is not None:
+            if isinstance(self._broken, DaemonUnavailable) and not self._stop.is_set():
+                self._reconnect()  # raises DaemonUnavailable while the daemon is still down
+            elif self._broken is not None:
                 raise self._broken
             try:
                 self.sock.sendall(data)
@@ -317,8 +343,6 @@ class Client:
                 if lease is not None:
                     lease.lost = True
                     log.warning("wcd: lease %d on %s was lost (expired or daemon restarted)", lease_id, lease.entry)
-            if self._broken is not None:
-                return
 
     @property
     def leases(self) -> list[Lease]:

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from tests.integration.conftest import same, sparse_checkpoint
 from wcd import protocol
 from wcd.client import Client
-from wcd.errors import BadRequest, Busy, KeyMismatch, NotFound, OutOfMemory, PermissionDenied
+from wcd.errors import BadRequest, Busy, DaemonUnavailable, KeyMismatch, NotFound, OutOfMemory, PermissionDenied
 from wcd.key import WeightCacheKey
 
 
@@ -387,6 +387,25 @@ def test_sigterm_exits_cleanly_and_removes_socket(make_daemon, checkpoint):
     c.acquire("m")
     assert d.stop() == 0
     assert not d.socket.exists()
+    c.close()
+
+
+def test_client_reconnects_after_a_daemon_restart(make_daemon, checkpoint):
+    path, tensors = checkpoint
+    d = make_daemon(model_config(path))
+    c = d.client()
+    lease = c.acquire("m")
+    view = lease.tensors["w.f32"]
+    d.stop()
+    with pytest.raises(DaemonUnavailable):
+        c.ping()  # down: the error says so, and the next call tries again
+    d.start()
+    c.ping()
+    assert lease.lost and c.leases == []
+    assert same(view, tensors["w.f32"])  # views of the old lease stay usable
+    with c.acquire("m") as again:
+        assert same(again.tensors["w.f32"], tensors["w.f32"])
+    lease.release()  # a lost lease releases without asking the daemon
     c.close()
 
 
