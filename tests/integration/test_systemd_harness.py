@@ -231,17 +231,22 @@ def test_real_socket_activation(tmp_path):
     tensors = write_model(ckpt, seed=5)
     cfg = config(tmp_path, {"m": ckpt})
     sock = tmp_path / "act.sock"
-    proc = subprocess.Popen(["systemd-socket-activate", "-l", str(sock), "--fdname=wcd", sys.executable, "-m", "wcd",
-                             "serve", "--config", str(cfg)], cwd=str(REPO), stderr=subprocess.PIPE)
+    log = tmp_path / "activate.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(["systemd-socket-activate", "-l", str(sock), "--fdname=wcd", sys.executable, "-m",
+                                 "wcd", "serve", "--config", str(cfg)], cwd=str(REPO), stdout=out, stderr=out)
     try:
         deadline = time.monotonic() + 30
         while not sock.exists():
-            assert time.monotonic() < deadline and proc.poll() is None
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
             time.sleep(0.02)
         # The first connection starts the daemon (systemd-socket-activate execs it on accept).
-        with Client(sock, timeout=30) as c, c.acquire("m") as lease:
-            assert same(lease.tensors["w"], tensors["w"])
-            assert c.status()["socket"].startswith("socket-activated fd 3")
+        try:
+            with Client(sock, timeout=60) as c, c.acquire("m") as lease:
+                assert same(lease.tensors["w"], tensors["w"])
+                assert c.status()["socket"].startswith("socket-activated fd 3")
+        except Exception as e:
+            raise AssertionError(f"{e!r}\n{log.read_text()}") from e
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
