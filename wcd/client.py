@@ -8,7 +8,6 @@ replies become the `wcd.errors` classes. torch is imported only when tensors are
 
 from __future__ import annotations
 
-import array
 import itertools
 import logging
 import os
@@ -270,12 +269,7 @@ class Client:
                 self._fail(DaemonUnavailable(f"no reply from the daemon at {self.path} within the timeout"))
             except OSError as e:
                 self._fail(DaemonUnavailable(f"connection to {self.path} lost ({e.strerror or e})"))
-            fds: list[int] = []
-            for level, kind, payload in anc:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    a = array.array("i")
-                    a.frombytes(payload[: len(payload) - len(payload) % a.itemsize])
-                    fds.extend(a)
+            fds = protocol.fds_from_ancillary(anc)
             if not data:
                 for fd in fds:
                     os.close(fd)

@@ -9,6 +9,8 @@ with explicit bounds before the server looks at it. Never pickle.
 
 from __future__ import annotations
 
+import array
+import socket
 import struct
 from collections import deque
 from collections.abc import Sequence
@@ -30,6 +32,17 @@ _LEN = struct.Struct(">I")
 
 Name = Annotated[str, StringConstraints(min_length=1, max_length=256)]
 Retention = Literal["pinned", "cached", "ephemeral"]
+
+
+def fds_from_ancillary(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
+    """The file descriptors in recvmsg()'s ancillary data (SCM_RIGHTS), in order."""
+    fds: list[int] = []
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            a = array.array("i")
+            a.frombytes(data[: len(data) - len(data) % a.itemsize])
+            fds.extend(a)
+    return fds
 
 
 def encode(message: dict[str, Any], nfds: int = 0) -> bytes:

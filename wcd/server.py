@@ -32,7 +32,8 @@ from wcd.cache import Cache, Entry, Lease
 from wcd.checkpoint import Checkpoint
 from wcd.config import Config, ModelConfig, load_config, parse_size
 from wcd.errors import (
-    BadRequest, Busy, Internal, LoadFailed, NotFound, PermissionDenied, ProtocolError, UnsupportedVersion, WcdError,
+    BadRequest, Busy, ConfigError, Internal, LoadFailed, NotFound, PermissionDenied, ProtocolError, UnsupportedVersion,
+    WcdError,
 )
 from wcd.key import HOST_DEVICE, WeightCacheKey, fingerprint_checkpoint
 from wcd.loader import Cancelled, default_workers, digest_arena, digest_checkpoint, fill_arena
@@ -85,7 +86,7 @@ class Connection:
                 except OSError:
                     self.close()
                     return
-                fds = _fds_from(anc)
+                fds = protocol.fds_from_ancillary(anc)
                 if flags & socket.MSG_CTRUNC:
                     _close_all(fds)
                     self.fail(ProtocolError("too many file descriptors in one message"))
@@ -602,12 +603,19 @@ class Server:
         try:
             if self.config_path is None:
                 raise BadRequest("no config file to re-read")
-            new = await asyncio.to_thread(load_config, self.config_path, self.instance)
+            # Paths are checked here, not by load_config: a resident model may have lost its
+            # checkpoint on purpose (kept across a restart in the fd store, as at startup); only a
+            # model this reload would (re)load needs one.
+            new = await asyncio.to_thread(load_config, self.config_path, self.instance, False)
+            old = {m.name: m for m in self.config.models}
+            for i, model in enumerate(new.models):
+                kept = old.get(model.name) == model and model.name in self.cache.entries
+                if not kept and not await asyncio.to_thread(model.path.exists):
+                    raise ConfigError(f"config {self.config_path}: models.{i}.path: {model.path} does not exist")
         except WcdError as e:
             log.error("reload failed, keeping the running configuration: %s", e.message)
             self._notify("ready", f"reload failed: {e.message}"[:200])
             return
-        old = {m.name: m for m in self.config.models}
         fresh = {m.name: m for m in new.models}
         for name, model in old.items():
             if fresh.get(name) != model and name in self.cache.entries:
@@ -872,16 +880,6 @@ def _is_listener(fd: int) -> bool:
         return False
     with s:
         return s.family == socket.AF_UNIX and bool(s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
-
-
-def _fds_from(anc: list[tuple[int, int, bytes]]) -> list[int]:
-    fds: list[int] = []
-    for level, kind, data in anc:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            a = array.array("i")
-            a.frombytes(data[: len(data) - len(data) % a.itemsize])
-            fds.extend(a)
-    return fds
 
 
 def _close_all(fds: Iterable[int]) -> None:

@@ -179,7 +179,8 @@ def granularity(gpu: Gpu) -> int:
     return int(_check(cuda.cuMemGetAllocationGranularity(_alloc_prop(gpu), flag), "cuMemGetAllocationGranularity"))
 
 
-def _read_into(fd: int, view: memoryview, offset: int) -> None:
+def pread_into(fd: int, view: memoryview, offset: int) -> None:
+    """Fill `view` from `fd` at `offset` (preadv may return short counts); EIO at end of file."""
     while view:
         n = os.preadv(fd, [view], offset)
         if n == 0:
@@ -216,7 +217,7 @@ class _Lane:
             i, self.turn = self.turn, (self.turn + 1) % len(self.ptrs)
             _check(cuda.cuEventSynchronize(self.events[i]), "cuEventSynchronize")
             n = min(nbytes, self.nbytes)
-            _read_into(fd, self.views[i][:n], file_offset)
+            pread_into(fd, self.views[i][:n], file_offset)
             _check(cuda.cuMemcpyHtoDAsync(dst, self.ptrs[i], n, self.stream), "cuMemcpyHtoDAsync")
             _check(cuda.cuEventRecord(self.events[i], self.stream), "cuEventRecord")
             file_offset, dst, nbytes = file_offset + n, dst + n, nbytes - n

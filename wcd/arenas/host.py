@@ -23,21 +23,40 @@ PAGE = mmap.PAGESIZE
 
 
 class HostWriter(ArenaWriter):
-    def __init__(self, fd: int, size: int) -> None:
-        self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        self._view = memoryview(self._map)
+    """Copies file ranges into the memfd with sendfile(2): one in-kernel copy from the page cache,
+    and no mapping of the arena in the daemon. (Unmapping a filled multi-GB mapping holds the
+    process's mmap lock for a large fraction of a second, stalling the event loop's page faults.)
+    sendfile writes at the file position, so each loader thread gets its own open file
+    description of the memfd (reopened through /proc/self/fd) and seeks it."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._local = threading.local()
+        self._opened: list[int] = []
+        self._lock = threading.Lock()
+
+    def _out(self) -> int:
+        out = getattr(self._local, "fd", None)
+        if out is None:
+            out = self._local.fd = os.open(f"/proc/self/fd/{self._fd}", os.O_WRONLY | os.O_CLOEXEC)
+            with self._lock:
+                self._opened.append(out)
+        return out
 
     def copy_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int) -> None:
-        dst = self._view[arena_offset : arena_offset + nbytes]
-        while dst:
-            n = os.preadv(fd, [dst], file_offset)
+        out = self._out()
+        os.lseek(out, arena_offset, os.SEEK_SET)
+        while nbytes:
+            n = os.sendfile(out, fd, file_offset, nbytes)
             if n == 0:
                 raise OSError(errno.EIO, "unexpected end of file")
-            dst, file_offset = dst[n:], file_offset + n
+            file_offset, nbytes = file_offset + n, nbytes - n
 
     def close(self) -> None:
-        self._view.release()
-        self._map.close()
+        with self._lock:
+            opened, self._opened = self._opened, []
+        for fd in opened:
+            os.close(fd)
 
 
 class HostArena(Arena):
@@ -65,7 +84,7 @@ class HostArena(Arena):
         return self._fd
 
     def writer(self) -> HostWriter:
-        return HostWriter(self._fd, self.size)
+        return HostWriter(self._fd)
 
     def seal(self) -> None:
         try:
