@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from wcd.errors import BadRequest, Busy, KeyMismatch, LeaseExpired, NotFound, OutOfMemory
+from wcd.config import format_size
 from wcd.key import WeightCacheKey
 from wcd.manifest import Manifest
 
@@ -171,7 +172,7 @@ class Cache:
         if free < nbytes:
             held = self.used(device) - sum(e.nbytes for e in candidates)
             raise OutOfMemory(
-                f"{_gib(nbytes)} does not fit on {device}: budget {_gib(budget)}, {_gib(held)} held by pinned, "
+                f"{format_size(nbytes)} does not fit on {device}: budget {format_size(budget)}, {format_size(held)} held by pinned, "
                 f"leased or loading entries; evict something (wcdctl evict) or raise the budget",
                 {"device": device, "need": nbytes, "budget": budget, "held": held},
             )
@@ -313,7 +314,3 @@ class Cache:
 
 def _plain(v: Any) -> Any:
     return dict(v) if isinstance(v, dict) else v
-
-
-def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.2f} GiB"

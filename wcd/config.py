@@ -56,6 +56,15 @@ def parse_size(value: int | str, total: int | None = None) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
+def format_size(n: float) -> str:
+    """Bytes for people: "512 B", "3.4 GiB"."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
 Size = Annotated[StrictInt | str, Field(union_mode="left_to_right")]
 
 

@@ -30,13 +30,14 @@ from wcd import __version__, parking, protocol, systemd
 from wcd.arenas import Arena, backend_for
 from wcd.cache import Cache, Entry, Lease
 from wcd.checkpoint import Checkpoint
-from wcd.config import Config, ModelConfig, load_config, parse_size
+from wcd.config import Config, ModelConfig, format_size, load_config, parse_size
 from wcd.errors import (
     BadRequest, Busy, ConfigError, Internal, LoadFailed, NotFound, PermissionDenied, ProtocolError, UnsupportedVersion,
     WcdError,
 )
 from wcd.key import HOST_DEVICE, WeightCacheKey, fingerprint_checkpoint
 from wcd.loader import Cancelled, default_workers, digest_arena, digest_checkpoint, fill_arena
+from wcd.manifest import Manifest
 from wcd.metrics import Metrics
 from wcd.protocol import FrameDecoder, encode
 
@@ -411,7 +412,7 @@ class Server:
             event = self._ready.pop(entry.name, None)
             if event is not None:
                 event.set()
-            log.info("reclaimed %s (%s on %s)", entry.name, _human(entry.nbytes), entry.device)
+            log.info("reclaimed %s (%s on %s)", entry.name, format_size(entry.nbytes), entry.device)
 
     async def _expire_leases(self) -> None:
         tick = min(1.0, self.config.daemon.lease_ttl_s / 10)
@@ -452,7 +453,7 @@ class Server:
         """Allocate the entry's arena and copy the checkpoint in from worker threads, then make it ready."""
         ckpt = self._checkpoints.pop(entry.name)
         manifest = entry.manifest
-        log.info("loading %s: %s in %d tensors from %s to %s", entry.name, _human(manifest.nbytes),
+        log.info("loading %s: %s in %d tensors from %s to %s", entry.name, format_size(manifest.nbytes),
                  len(manifest.tensors), ckpt.path, entry.device)
         started = time.monotonic()
         try:
@@ -560,7 +561,7 @@ class Server:
                 entry = await self._adopt(parking.parse_record(record_fd), arena_fd)
                 arena_fd = None  # the arena owns it now
                 log.info("adopted %s from systemd's fd store (%s on %s, no disk read)%s", entry.name,
-                         _human(entry.nbytes), entry.device, f"; {entry.notes[0]}" if entry.notes else "")
+                         format_size(entry.nbytes), entry.device, f"; {entry.notes[0]}" if entry.notes else "")
             except (WcdError, OSError) as e:
                 log.warning("fd store: dropping %s: %s", stem, getattr(e, "message", e))
                 for suffix in (parking.ARENA_SUFFIX, parking.RECORD_SUFFIX):
@@ -715,7 +716,7 @@ class Server:
         self._set_ready(entry)
         self._digests[entry.name] = asyncio.ensure_future(
             asyncio.to_thread(digest_arena, entry.arena, entry.manifest))
-        log.info("published %s (%s, %d tensors, pid %d)", entry.name, _human(entry.manifest.nbytes),
+        log.info("published %s (%s, %d tensors, pid %d)", entry.name, format_size(entry.manifest.nbytes),
                  len(entry.manifest.tensors), conn.pid)
         conn.send(protocol.ok(req.id, entry=entry.name))
 
@@ -756,8 +757,6 @@ class Server:
             arena={"kind": arena.kind, "size": arena.size, "device": arena.device}), [arena.fd()])
 
     async def op_reserve(self, conn: Connection, req: protocol.Reserve) -> None:
-        from wcd.manifest import Manifest
-
         key = req.key.model_copy(update={"device": self.canonical_device(req.key.device)})
         manifest = Manifest.build((name, dtype, shape) for name, dtype, shape in req.tensors)
         backend = backend_for(key.device)
@@ -888,14 +887,6 @@ def _close_all(fds: Iterable[int]) -> None:
             os.close(fd)
         except OSError:
             pass
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def run(config: Config, instance: str = "wcd", config_path: Path | None = None,

@@ -174,8 +174,8 @@ def test_out_of_memory_message() -> None:
     with pytest.raises(OutOfMemory) as info:
         big.admit("q", key("q", device="cuda:0"), MANIFEST, 3 * GIB // 2, "cached", "load")
     text = info.value.message
-    assert "1.50 GiB does not fit on cuda:0" in text
-    assert "budget 2.00 GiB" in text and "1.00 GiB held" in text
+    assert "1.5 GiB does not fit on cuda:0" in text
+    assert "budget 2.0 GiB" in text and "1.0 GiB held" in text
     assert "\n" not in text
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from wcd.cli import die
 from wcd.client import Client
+from wcd.config import format_size
 from wcd.errors import DaemonUnavailable, PermissionDenied, WcdError
 
 PROG = "wcdctl"
@@ -111,7 +112,7 @@ def _render(cmd: str, r: dict[str, Any]) -> str:
         return str(r["text"]).rstrip("\n")
     if cmd == "load":
         e = r["entry"]
-        return f"{e['name']}: {e['state']} ({_size(e['bytes'])}, {e['tensors']} tensors on {e['device']})"
+        return f"{e['name']}: {e['state']} ({format_size(e['bytes'])}, {e['tensors']} tensors on {e['device']})"
     if cmd == "evict":
         if r["state"] == "evicted":
             return f"{r['entry']}: evicted"
@@ -126,7 +127,7 @@ def _status(r: dict[str, Any]) -> str:
              f"{len(r['entries'])} entries, {r['leases']} leases, {r['connections']} connections, "
              f"lease TTL {r['lease_ttl_s']:g}s", ""]
     lines.append(_table(["DEVICE", "NAME", "TOTAL", "FREE", "BUDGET", "USED BY WCD"], [
-        [d["device"], d["name"], _size(d["total"]), _size(d["free"]), _size(d["budget"]), _size(d["used"])]
+        [d["device"], d["name"], format_size(d["total"]), format_size(d["free"]), format_size(d["budget"]), format_size(d["used"])]
         for d in r["devices"]]))
     lines += ["", _entries(r["entries"])]
     lines += [f"  {e['name']}: {note}" for e in r["entries"] for note in e.get("notes", [])]
@@ -141,8 +142,8 @@ def _entries(entries: list[dict[str, Any]]) -> str:
         state = e["state"]
         p = e["progress"]
         if state == "loading" and p["total"]:
-            state += f" {100 * p['done'] // p['total']}% {_size(p['done'])}/{_size(p['total'])}"
-        rows.append([e["name"], state, e["device"], _size(e["bytes"]), str(e["tensors"]), str(e["leases"]),
+            state += f" {100 * p['done'] // p['total']}% {format_size(p['done'])}/{format_size(p['total'])}"
+        rows.append([e["name"], state, e["device"], format_size(e["bytes"]), str(e["tensors"]), str(e["leases"]),
                      e["retention"], e["origin"]])
     return _table(["ENTRY", "STATE", "DEVICE", "SIZE", "TENSORS", "LEASES", "RETENTION", "ORIGIN"], rows)
 
@@ -150,14 +151,6 @@ def _entries(entries: list[dict[str, Any]]) -> str:
 def _table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows])
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def _duration(s: float) -> str:
