@@ -79,3 +79,29 @@ def test_engine_keeps_computing_after_the_daemon_is_sigkilled(make_daemon: Any, 
         assert (w.float() @ w.float().T).sum().item() == before
         assert all(same(lease.tensors[n], t) for n, t in expected.items())
     torch.cuda.synchronize()
+
+
+def test_publish_module_from_gpu_rebinds_to_the_read_only_arena(make_daemon: Any) -> None:  # noqa: F811
+    from tests.integration.test_torch_attach import Tiny
+    from wcd.arenas.cuda import find_gpu
+    from wcd.integrations.torch import publish_module
+
+    torch.manual_seed(2)
+    m = Tiny().cuda().eval()
+    ids = torch.arange(10, device="cuda")
+    with torch.no_grad():
+        before = [t.clone() for t in m(ids)]
+    own = m.proj.weight.data_ptr()
+    d = make_daemon(GPU_BUDGET)
+    key = WeightCacheKey(model="tiny", transform="gpu-publish", device=find_gpu("cuda:0").uuid)
+    with d.client() as c:
+        lease = publish_module(c, key, m)  # device-to-device copies into the arena, then rebind
+        assert lease.arena["kind"] == "cuda"
+        view = lease.tensors["proj.weight"]
+        assert m.proj.weight.data_ptr() == view.data_ptr() != own and m.proj.weight.is_cuda
+        assert m.head.weight is m.embed.weight
+        with torch.no_grad():
+            for a, b in zip(before, m(ids)):
+                assert torch.equal(a, b)
+        del view
+        lease.release()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from wcd.integrations.torch import AttachMismatch, attach
+from wcd.integrations.torch import AttachMismatch, attach, publish_module
 from wcd.key import WeightCacheKey
 
 
@@ -58,3 +58,24 @@ def test_attach_reports_missing_unexpected_and_mismatched():
     assert e.value.details["mismatched"][0].startswith("norm.weight: module has torch.float32[8]")
     report = attach(Tiny(), tensors, strict=False)
     assert not report.ok and "proj.weight" in report.bound
+
+
+def test_publish_module_rebinds_to_the_shared_copy(make_daemon):
+    torch.manual_seed(1)
+    m = Tiny().eval()
+    ids = torch.arange(10)
+    with torch.no_grad():
+        before = m(ids)
+    own = m.proj.weight.untyped_storage().data_ptr()
+    d = make_daemon()
+    with d.client() as c:
+        lease = publish_module(c, WeightCacheKey(model="tiny", transform="publish-test"), m)
+        assert m.proj.weight.untyped_storage().data_ptr() != own  # the module's own copy is gone
+        assert m.proj.weight.untyped_storage().data_ptr() == lease.tensors["proj.weight"].untyped_storage().data_ptr()
+        assert m.head.weight is m.embed.weight
+        with torch.no_grad():
+            for a, b in zip(before, m(ids)):
+                assert torch.equal(a, b)
+        with d.client() as other, other.acquire(WeightCacheKey(model="tiny", transform="publish-test")) as l2:
+            assert torch.equal(l2.tensors["proj.weight"], m.proj.weight)
+        lease.release()

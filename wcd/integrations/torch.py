@@ -90,3 +90,25 @@ def _describe(r: AttachReport) -> str:
         if names:
             parts.append(f"{len(names)} {label} ({'; '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
     return "weights do not match the module: " + ", ".join(parts)
+
+
+def publish_module(client: Any, key: Any, module: torch.nn.Module, *, retention: str = "cached") -> Any:
+    """Publish `module`'s weights under `key`, then run the module on the shared copy.
+
+    Reserve -> copy every parameter and persistent buffer in (device to device on a GPU) ->
+    commit -> attach a read lease and rebind the module to its views, so the module's own copies
+    are freed once nothing else refers to them. Returns the read lease: keep it as long as the
+    module runs. Peak memory during the copy is the module plus one arena: an arena is one
+    allocation (one fd), so it cannot grow as the module's tensors are released.
+    """
+    state: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in module.state_dict(keep_vars=True).items():
+        if id(t) not in seen:  # tied parameters are stored once; attach re-ties them
+            seen.add(id(t))
+            state[name] = t.detach()
+    name = client.publish(key, state, retention=retention)
+    del state
+    lease = client.acquire(name)
+    attach(module, lease)
+    return lease
