@@ -123,7 +123,7 @@ def warm_page_cache(d: Path) -> float:
 
 def run_daemon(args: argparse.Namespace) -> dict[str, Any]:
     """The real path: `wcd serve` loads the checkpoint onto cuda:0, a client process acquires it."""
-    from wcd.client import Client
+    from wcd.client import connect
     from wcd.errors import DaemonUnavailable
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -133,16 +133,11 @@ def run_daemon(args: argparse.Namespace) -> dict[str, Any]:
         daemon = subprocess.Popen([sys.executable, "-m", "wcd", "serve", "--config", str(cfg)], stdout=log,
                                   stderr=subprocess.STDOUT, cwd=HERE.parent)
         try:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    c = Client(sock, heartbeats=False)
-                    break
-                except DaemonUnavailable:
-                    if daemon.poll() is not None or time.monotonic() > deadline:
-                        log.seek(0)
-                        return {"error": f"daemon did not start: {log.read()[-2000:]}"}
-                    time.sleep(0.05)
+            try:
+                c = connect(sock, wait_s=60, while_alive=lambda: daemon.poll() is None, heartbeats=False)
+            except DaemonUnavailable:
+                log.seek(0)
+                return {"error": f"daemon did not start: {log.read()[-2000:]}"}
             with c:
                 t0 = time.perf_counter()
                 c.load("bench", args.dir, device="cuda:0", wait=True)

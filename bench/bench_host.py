@@ -27,9 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from wcd.client import Client  # noqa: E402
+from wcd.client import Client, connect  # noqa: E402
 from wcd.demo import write_checkpoint  # noqa: E402
-from wcd.errors import DaemonUnavailable  # noqa: E402
 
 _ENGINE = r"""
 import json, sys, time
@@ -145,15 +144,7 @@ def main() -> None:
         daemon = subprocess.Popen([sys.executable, "-m", "wcd", "serve", "--config", str(root / "wcd.toml"),
                                    "--log-level", "warning"], cwd=str(Path(__file__).resolve().parents[1]))
         try:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    c = Client(sock)
-                    break
-                except DaemonUnavailable:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.05)
+            c = connect(sock, wait_s=60, while_alive=lambda: daemon.poll() is None)
             t = time.perf_counter()
             with c, c.acquire("bench"):
                 load_s = time.perf_counter() - t

@@ -28,9 +28,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from wcd.arenas.cuda import gpus  # noqa: E402
-from wcd.client import Client  # noqa: E402
+from wcd.client import Client, connect  # noqa: E402
 from wcd.demo import write_checkpoint  # noqa: E402
-from wcd.errors import DaemonUnavailable  # noqa: E402
 
 _CLIENT = r"""
 import json, sys, time
@@ -68,17 +67,6 @@ out["identical"], out["tensors"] = identical, len(tensors)
 out["device_of_views"] = str(base.device)
 print(json.dumps(out))
 """
-
-
-def wait_daemon(sock: Path, proc: subprocess.Popen[bytes]) -> Client:
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            return Client(sock)
-        except DaemonUnavailable:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
 
 
 def timed_loads(sock: Path, ckpt: Path, targets: list[tuple[str, str]]) -> dict[str, float]:
@@ -140,7 +128,7 @@ def main() -> None:
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "gpus": [g.label + " " + g.uuid for g in visible],
                  "checkpoint": {"bytes": nbytes, "tensors": args.tensors}}
     try:
-        admin = wait_daemon(sock, daemon)
+        admin = connect(sock, wait_s=60, while_alive=lambda: daemon.poll() is None)
         one = timed_loads(sock, ckpt, [("solo", "cuda:0")])
         admin.evict("solo")
         res["one_gpu"] = {"seconds": one["solo"], "gb_per_s": nbytes / one["solo"] / 1e9}

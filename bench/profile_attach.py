@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,9 +46,8 @@ print(s.getvalue())
 
 
 def main() -> None:
-    from wcd.client import Client
+    from wcd.client import connect
     from wcd.demo import write_checkpoint
-    from wcd.errors import DaemonUnavailable
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", type=Path, default=Path("/tmp/wcd-prof"))
@@ -67,15 +65,8 @@ def main() -> None:
     daemon = subprocess.Popen([sys.executable, "-m", "wcd", "serve", "--config", str(cfg), "--log-level", "warning"],
                               cwd=str(REPO))
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with Client(sock) as c, c.acquire("prof"):
-                    break
-            except DaemonUnavailable:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        with connect(sock, wait_s=60, while_alive=lambda: daemon.poll() is None) as c, c.acquire("prof"):
+            pass  # waits for the load
         subprocess.run([sys.executable, "-c", _CLIENT, str(sock), args.device], check=True, cwd=str(REPO))
     finally:
         daemon.terminate()

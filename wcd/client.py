@@ -14,7 +14,8 @@ import os
 import socket
 import sys
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from wcd import __version__, protocol
@@ -425,6 +426,20 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def connect(path: str | os.PathLike[str] | None = None, *, wait_s: float = 0.0,
+            while_alive: Callable[[], bool] | None = None, **kwargs: Any) -> Client:
+    """A `Client`, retrying for up to `wait_s` seconds while the daemon starts (an engine started
+    alongside it). `while_alive` ends the wait early when it returns False (the daemon exited)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return Client(path, **kwargs)
+        except DaemonUnavailable:
+            if time.monotonic() >= deadline or (while_alive is not None and not while_alive()):
+                raise
+            time.sleep(0.02)
 
 
 def _target(target: str | WeightCacheKey) -> dict[str, Any]:

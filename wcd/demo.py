@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import subprocess
 import sys
 import tempfile
@@ -124,7 +123,6 @@ def _engine(mode: str, where: str) -> dict[str, Any]:
 
 
 def run_demo(size_mb: int = 384, n_tensors: int = 300) -> int:
-    from wcd.client import Client
 
     with tempfile.TemporaryDirectory(prefix="wcd-demo-") as tmp:
         root = Path(tmp)
@@ -168,15 +166,11 @@ def run_demo(size_mb: int = 384, n_tensors: int = 300) -> int:
 
 
 def _connect(sock: Path, daemon: subprocess.Popen[bytes], log: Any) -> Any:
-    from wcd.client import Client
+    from wcd.client import connect
     from wcd.errors import DaemonUnavailable
 
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            return Client(sock)
-        except DaemonUnavailable:
-            if daemon.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                raise WcdError(f"the demo daemon did not start: {log.read().strip()[-500:]}") from None
-            time.sleep(0.05)
+    try:
+        return connect(sock, wait_s=30, while_alive=lambda: daemon.poll() is None)
+    except DaemonUnavailable:
+        log.seek(0)
+        raise WcdError(f"the demo daemon did not start: {log.read().strip()[-500:]}") from None

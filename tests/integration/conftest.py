@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from wcd.client import Client
+from wcd.client import Client, connect
 from wcd.errors import DaemonUnavailable
 
 
@@ -31,15 +29,11 @@ class Daemon:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "wcd", "serve", "--config", str(self.config),
                                           "--log-level", "debug"], stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                Client(self.socket, heartbeats=False).close()
-                return self
-            except DaemonUnavailable:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"daemon did not start:\n{self.log.read_text()}") from None
-                time.sleep(0.02)
+        try:
+            connect(self.socket, wait_s=30, while_alive=lambda: self.proc.poll() is None, heartbeats=False).close()
+        except DaemonUnavailable:
+            raise RuntimeError(f"daemon did not start:\n{self.log.read_text()}") from None
+        return self
 
     def client(self, **kw: Any) -> Client:
         return Client(self.socket, **kw)

@@ -298,7 +298,6 @@ def test_loop_answers_while_a_large_load_runs(make_daemon, tmp_path):
     big = sparse_checkpoint(tmp_path / "big.safetensors", 3 << 30)
     d = make_daemon("load_workers = 2\n")
     with d.client() as admin, d.client() as probe:
-        lease = probe.acquire  # noqa: F841 (the probe below only pings and asks status)
         entry = admin.load("big", big, retention="cached")
         assert entry["state"] == "loading"
         worst, samples, saw_progress = 0.0, 0, False

@@ -7,7 +7,6 @@ keeps FDSTORE fds, handing them back on the next start like `systemctl restart` 
 
 from __future__ import annotations
 
-import array
 import fcntl
 import os
 import shutil
@@ -20,11 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from tests.integration.conftest import same
 from wcd.client import Client
-from wcd.errors import DaemonUnavailable
 
 REPO = Path(__file__).resolve().parents[2]
 
