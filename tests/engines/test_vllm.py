@@ -1,0 +1,201 @@
+"""vLLM (PyPI's CPU build) with load_format="wcd" against a real daemon: the three paths, bit-identical outputs.
+
+Baselines are the default loader's outputs. Each engine start is a fresh process; the plugin's
+record of what it did (`wcd.integrations.vllm.last_load`) comes back in the result, its log lines
+(logger "vllm.wcd") in the engine's log, and the daemon's lease list shows attached engines.
+"""
+
+from __future__ import annotations
+
+import time
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs the engines venv: tests/engines/setup-venv.sh (make test-engines)")
+
+MINILM_PROMPTS = ["hello world", "wcd keeps model weights resident", "The quick brown fox jumps over the lazy dog"]
+SMOL_PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+
+
+def minilm_spec(model: Path, **kw: Any) -> dict[str, Any]:
+    return {"model": str(model), "runner": "pooling", "prompts": MINILM_PROMPTS, **kw}
+
+
+def smol_spec(model: Path, **kw: Any) -> dict[str, Any]:
+    return {"model": str(model), "prompts": SMOL_PROMPTS, "max_tokens": 12, **kw}
+
+
+def wcd(spec: dict[str, Any], probe_external: bool = False, **extra: Any) -> dict[str, Any]:
+    """The spec with load_format="wcd" and `extra` as model_loader_extra_config."""
+    return dict(spec, load_format="wcd", probe_external=probe_external,
+                extra={k: str(v) if isinstance(v, Path) else v for k, v in extra.items()})
+
+
+def ok(result: dict[str, Any]) -> dict[str, Any]:
+    assert result["ok"], f"{result.get('error')}: {result.get('message')}\n{result.get('traceback', '')}"
+    return result
+
+
+def same_outputs(a: dict[str, Any], b: dict[str, Any]) -> None:
+    for field in ("embeddings", "tokens", "chosen_logprobs", "logprobs"):
+        if field in a or field in b:
+            assert a.get(field) == b.get(field), f"{field} differ"
+
+
+@pytest.fixture(scope="session")
+def minilm_default(run_engine: Any, minilm: Path) -> dict[str, Any]:
+    return ok(run_engine(minilm_spec(minilm)))
+
+
+@pytest.fixture(scope="session")
+def smol_default(run_engine: Any, smollm2: Path) -> dict[str, Any]:
+    r = ok(run_engine(smol_spec(smollm2)))
+    assert r["text"][0].startswith(" Paris")
+    return r
+
+
+def test_minilm_first_start_publishes_second_attaches_bit_identical(make_daemon, run_engine, minilm, minilm_default):
+    d = make_daemon()
+    first = ok(run_engine(wcd(minilm_spec(minilm), socket=d.socket)))
+    assert first["wcd"]["path"] == "disk" and first["wcd"]["published"], first["wcd"]
+    assert "wcd: loaded weights from disk" in first["log"] and "published processed weights as entry" in first["log"]
+    published = {e["name"]: e for e in d.entries()}
+    entry = published[first["wcd"]["published"]]
+    assert entry["state"] == "ready" and entry["origin"] == "publish" and entry["key"]["dtype"] == "float32"
+    assert entry["key"]["fingerprint"] and entry["key"]["transform"].startswith("vllm-0.32")
+
+    engine = run_engine(wcd(minilm_spec(minilm), socket=d.socket), hold=True)
+    try:
+        second = ok(engine.wait_holding())
+        assert second["wcd"]["path"] == "attach" and second["wcd"]["entry"] == entry["name"], second["wcd"]
+        assert "wcd: attached processed weights from entry" in second["log"]
+        assert [(x["pid"], x["entry"]) for x in d.leases()] == [(second["pid"], entry["name"])]
+    finally:
+        engine.stop()
+    same_outputs(first, minilm_default)
+    same_outputs(second, minilm_default)
+    assert [e["name"] for e in d.entries()] == [entry["name"]]  # nothing published twice
+    deadline = time.monotonic() + 10
+    while d.leases():  # the engine is gone: its connection closed, the daemon ended its lease
+        assert time.monotonic() < deadline, "the engine's lease outlived it"
+        time.sleep(0.1)
+
+    # mode=copy: the same entry, cloned into engine memory; the lease ends at once.
+    copy = run_engine(wcd(minilm_spec(minilm), socket=d.socket, mode="copy", probe_external=True), hold=True)
+    try:
+        r = ok(copy.wait_holding())
+        assert r["wcd"]["path"] == "attach" and r["wcd"]["mode"] == "copy"
+        assert r["external_weight_memory"] == 0  # the engine owns its copy
+        assert not [lease for lease in d.leases() if lease["pid"] == r["pid"]]
+        same_outputs(r, minilm_default)
+    finally:
+        copy.stop()
+
+
+def test_smollm2_attach_identical_tokens_and_logprobs_lease_lives_with_engine(make_daemon, run_engine, smollm2,
+                                                                               smol_default):
+    d = make_daemon()
+    # No socket option: the plugin takes $WCD_SOCKET.
+    first = ok(run_engine(wcd(smol_spec(smollm2)), socket=d.socket))
+    assert first["wcd"]["path"] == "disk" and first["wcd"]["published"], first["wcd"]
+    same_outputs(first, smol_default)
+
+    engine = run_engine(wcd(smol_spec(smollm2), probe_external=True), socket=d.socket, hold=True)
+    try:
+        r = ok(engine.wait_holding())
+        assert r["wcd"]["path"] == "attach" and r["wcd"]["entry"] == first["wcd"]["published"], r["wcd"]
+        same_outputs(r, smol_default)
+        entry = {e["name"]: e for e in d.entries()}[r["wcd"]["entry"]]
+        assert r["external_weight_memory"] == entry["bytes"]  # what vLLM is told lives outside the engine
+        mine = [lease for lease in d.leases() if lease["pid"] == r["pid"]]
+        assert [(x["entry"], x["kind"]) for x in mine] == [(r["wcd"]["entry"], "read")]
+        time.sleep(2 * 3.0)  # two lease TTLs: only heartbeats from the engine's client keep it
+        again = [lease for lease in d.leases() if lease["pid"] == r["pid"]]
+        assert [x["id"] for x in again] == [mine[0]["id"]] and again[0]["expires_in_s"] > 0
+    except BaseException:
+        engine.stop()
+        raise
+    # The daemon dies: the engine keeps serving from its mapping of the (host) arena.
+    d.stop()
+    try:
+        same_outputs(ok(engine.again()), smol_default)
+    finally:
+        engine.stop()
+
+
+def test_raw_resident_checkpoints_are_fed_to_load_weights(make_daemon, run_engine, smollm2, minilm, smol_default,
+                                                          minilm_default):
+    d = make_daemon(models={"smollm2": smollm2, "minilm": minilm})
+    d.wait_loaded()
+    smol = ok(run_engine(wcd(smol_spec(smollm2), socket=d.socket)))  # found by checkpoint fingerprint
+    assert smol["wcd"]["path"] == "raw" and smol["wcd"]["entry"] == "smollm2", smol["wcd"]
+    assert "wcd: loaded weights from resident raw entry smollm2" in smol["log"]
+    same_outputs(smol, smol_default)
+    mini = ok(run_engine(wcd(minilm_spec(minilm), socket=d.socket, entry="minilm")))  # named explicitly
+    assert mini["wcd"]["path"] == "raw" and mini["wcd"]["entry"] == "minilm", mini["wcd"]
+    same_outputs(mini, minilm_default)
+    # Both published their processed weights next to the raw ones.
+    origins = sorted((e["origin"], e["key"]["transform"].split("/")[0]) for e in d.entries())
+    assert origins == [("config", "raw"), ("config", "raw"), ("publish", "vllm-0.32.0"), ("publish", "vllm-0.32.0")]
+
+
+def test_daemon_down_falls_back_to_disk_or_fails_clearly(run_engine, minilm, minilm_default, tmp_path):
+    missing = tmp_path / "no-daemon.sock"
+    r = ok(run_engine(wcd(minilm_spec(minilm), socket=missing)))
+    assert r["wcd"]["path"] == "disk" and not r["wcd"].get("published"), r["wcd"]
+    assert "daemon not running" in r["wcd"]["reason"]
+    same_outputs(r, minilm_default)
+
+    r = run_engine(wcd(minilm_spec(minilm), socket=missing, fallback=False))
+    assert not r["ok"]
+    assert "fallback=false" in r["message"] and "daemon not running" in r["message"], r["message"]
+
+
+def test_a_different_checkpoint_is_never_served(make_daemon, run_engine, smollm2, minilm):
+    d = make_daemon(models={"minilm": minilm})
+    d.wait_loaded()
+    r = run_engine(wcd(smol_spec(smollm2), socket=d.socket, entry="minilm", fallback=False))
+    assert not r["ok"]
+    assert "holds a different checkpoint" in r["message"] and "fallback=false" in r["message"], r["message"]
+    assert [e["name"] for e in d.entries()] == ["minilm"]
+
+
+def test_dtype_mismatch_takes_no_cached_weights(make_daemon, run_engine, minilm):
+    d = make_daemon()
+    f32 = ok(run_engine(wcd(minilm_spec(minilm), socket=d.socket)))
+    assert f32["wcd"]["published"]
+    bf16 = ok(run_engine(wcd(minilm_spec(minilm, dtype="bfloat16"), socket=d.socket)))
+    assert bf16["wcd"]["path"] == "disk", bf16["wcd"]
+    assert "dtype" in bf16["wcd"]["mismatch"]["fields"], bf16["wcd"]
+    assert bf16["wcd"]["published"] and bf16["wcd"]["published"] != f32["wcd"]["published"]
+    baseline = ok(run_engine(minilm_spec(minilm, dtype="bfloat16"), label="default loader (bf16)"))
+    same_outputs(bf16, baseline)
+    assert bf16["embeddings"] != f32["embeddings"]
+    assert sorted(e["key"]["dtype"] for e in d.entries()) == ["bfloat16", "float32"]
+    again = ok(run_engine(wcd(minilm_spec(minilm, dtype="bfloat16"), socket=d.socket)))
+    assert again["wcd"]["path"] == "attach" and again["wcd"]["entry"] == bf16["wcd"]["published"]
+    same_outputs(again, baseline)
+
+
+def _entry_point_installed() -> bool:
+    return any(ep.name == "wcd" and ep.value == "wcd.integrations.vllm:register"
+               for ep in entry_points(group="vllm.general_plugins"))
+
+
+@pytest.mark.skipif(not _entry_point_installed(),
+                    reason='pyproject.toml lacks [project.entry-points."vllm.general_plugins"] wcd = '
+                           '"wcd.integrations.vllm:register" (reinstall with setup-venv.sh after adding it)')
+def test_plugin_loads_through_the_entry_point_in_the_engine_core_process(make_daemon, run_engine, minilm,
+                                                                         minilm_default):
+    d = make_daemon()
+    for expected in ("disk", "attach"):
+        r = ok(run_engine(wcd(minilm_spec(minilm), socket=d.socket), multiprocess=True,
+                          label=f"wcd {expected} (multiprocess)"))
+        assert r.get("wcd") is None  # the loader ran in the EngineCore process, not this one
+        assert not r.get("registered_by_hand")
+        marker = "wcd: loaded weights from disk" if expected == "disk" else "wcd: attached processed weights"
+        assert marker in r["log"], r["log"][-3000:]
+        same_outputs(r, minilm_default)
