@@ -183,8 +183,12 @@ class Client:
         for fd in self._decoder.take_fds():
             os.close(fd)
         self._decoder = protocol.FrameDecoder()
-        self._broken = None
-        self._connect()
+        self._broken = None  # _connect's hello goes through request_fds
+        try:
+            self._connect()
+        except WcdError as e:
+            self._broken = e if isinstance(e, DaemonUnavailable) else DaemonUnavailable(e.message)
+            raise
         log.info("wcd: reconnected to %s (%d lease(s) from the old connection are lost)", self.path, len(lost))
 
     def _preload_mapping(self) -> None:
