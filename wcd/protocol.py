@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Annotated, Any, Literal, Union
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StringConstraints, TypeAdapter, ValidationError
 
 from wcd.errors import BadRequest, ProtocolError
 from wcd.key import WeightCacheKey
@@ -116,12 +116,12 @@ class FrameDecoder:
 
 class _Req(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    id: Annotated[int, Field(ge=0, lt=1 << 63)]
+    id: Annotated[StrictInt, Field(ge=0, lt=1 << 63)]
 
 
 class Hello(_Req):
     op: Literal["hello"]
-    versions: Annotated[list[int], Field(min_length=1, max_length=16)]
+    versions: Annotated[list[StrictInt], Field(min_length=1, max_length=16)]
     client: Annotated[str, StringConstraints(max_length=256)] = ""
 
 
@@ -155,24 +155,24 @@ class _Target(_Req):
 
 class Acquire(_Target):
     op: Literal["acquire"]
-    wait: bool = True
+    wait: StrictBool = True
     timeout_s: Annotated[float, Field(gt=0, le=24 * 3600)] = 3600.0
 
 
 class Heartbeat(_Req):
     op: Literal["heartbeat"]
-    leases: Annotated[list[int], Field(max_length=MAX_LEASES_PER_HEARTBEAT)]
+    leases: Annotated[list[StrictInt], Field(max_length=MAX_LEASES_PER_HEARTBEAT)]
 
 
 class Release(_Req):
     op: Literal["release"]
-    lease: int
+    lease: StrictInt
 
 
 TensorRow = tuple[
     Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME_LEN)],
     Annotated[str, StringConstraints(max_length=16)],
-    Annotated[list[int], Field(max_length=MAX_NDIM)],
+    Annotated[list[StrictInt], Field(max_length=MAX_NDIM)],
 ]
 
 
@@ -185,12 +185,12 @@ class Reserve(_Req):
 
 class Commit(_Req):
     op: Literal["commit"]
-    lease: int
+    lease: StrictInt
 
 
 class Abort(_Req):
     op: Literal["abort"]
-    lease: int
+    lease: StrictInt
 
 
 class Load(_Req):
@@ -199,7 +199,7 @@ class Load(_Req):
     path: Annotated[str, StringConstraints(min_length=1, max_length=4096)] | None = None
     device: Annotated[str, StringConstraints(max_length=256)] | None = None
     retention: Retention | None = None
-    wait: bool = False
+    wait: StrictBool = False
 
 
 class Evict(_Target):

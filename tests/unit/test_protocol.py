@@ -468,3 +468,17 @@ def test_error_reply_shape_and_round_trip() -> None:
     back = errors.from_wire(decoded["error"])
     assert type(back) is errors.KeyMismatch and back.details == {"fields": ["dtype"]}
     assert protocol.error(None, errors.ProtocolError("bad"))["id"] is None
+
+
+@pytest.mark.parametrize("message", [
+    {"op": "release", "id": 1, "lease": "3"},
+    {"op": "commit", "id": 1, "lease": 3.0},
+    {"op": "heartbeat", "id": 1, "leases": [True]},
+    {"op": "acquire", "id": 1, "name": "x", "wait": "yes"},
+    {"op": "ping", "id": 1.0},
+    {"op": "hello", "id": 1, "versions": ["1"]},
+    {"op": "reserve", "id": 1, "key": {"model": "m"}, "tensors": [["w", "F32", [2.0]]]},
+])
+def test_requests_are_strict_about_ints_and_bools(message: dict[str, Any]) -> None:
+    with pytest.raises(BadRequest):
+        parse_request(message)
