@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from wcd.client import Client
+from wcd.client import Client, connect
 from wcd.errors import DaemonUnavailable
 
 HERE = Path(__file__).resolve().parent
@@ -33,6 +33,17 @@ START_TIMEOUT_S = 420
 # Filled by the tests, printed at the end of the session (start-to-ready per path).
 TIMINGS: list[dict[str, Any]] = []
 
+
+
+def terminate(proc: subprocess.Popen[Any]) -> None:
+    """SIGTERM, then SIGKILL after 30 s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 class Daemon:
     """`python -m wcd serve --config ...` on a socket in the test's tmp dir."""
@@ -53,15 +64,11 @@ class Daemon:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "wcd", "serve", "--config", str(self.config),
                                           "--log-level", "debug"], stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                Client(self.socket, heartbeats=False).close()
-                break
-            except DaemonUnavailable:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"daemon did not start:\n{self.log.read_text()}") from None
-                time.sleep(0.05)
+        proc = self.proc
+        try:
+            connect(self.socket, wait_s=60, while_alive=lambda: proc.poll() is None, heartbeats=False).close()
+        except DaemonUnavailable:
+            raise RuntimeError(f"daemon did not start:\n{self.log.read_text()}") from None
         return self
 
     def wait_loaded(self, timeout: float = 120) -> None:
@@ -83,13 +90,8 @@ class Daemon:
             return c.list_leases()
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            terminate(self.proc)
 
 
 @pytest.fixture
@@ -171,13 +173,7 @@ class Engine:
 
     def stop(self) -> None:
         """End the engine process (its connection to the daemon closes with it)."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc)
         self.log.close()
 
     def finish(self) -> dict[str, Any]:
