@@ -3,7 +3,11 @@
 One Unix socket per `Client`, safe to share between threads: requests carry ids and whichever
 thread is waiting reads the socket and hands other threads their replies, so a long `acquire`
 never delays a heartbeat. A background thread renews every live lease every TTL/3. Error
-replies become the `wcd.errors` classes. torch is imported only when tensors are touched.
+replies become the `wcd.errors` classes.
+
+An engine imports this on its start-up clock, so it imports only the framing (`wcd.wire`), the
+manifest and the errors: no pydantic, no request schemas (validating requests is the daemon's
+job), no torch until tensors are touched, and `WeightCacheKey` only where a caller uses one.
 """
 
 from __future__ import annotations
@@ -15,22 +19,23 @@ import socket
 import sys
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from wcd import __version__, protocol
+from wcd import __version__, wire
 from wcd.errors import DaemonUnavailable, PermissionDenied, ProtocolError, WcdError, from_wire
-from wcd.key import WeightCacheKey
 from wcd.manifest import Manifest
 
 if TYPE_CHECKING:
     import torch
 
+    from wcd.key import WeightCacheKey
     from wcd.views import MappedArena
 
 log = logging.getLogger("wcd.client")
 
-_ANC = socket.CMSG_SPACE(protocol.MAX_FDS_PER_FRAME * 4)
+_ANC = socket.CMSG_SPACE(wire.MAX_FDS_PER_FRAME * 4)
 
 
 def default_socket() -> str:
@@ -53,8 +58,8 @@ class Lease:
         self.client = client
         self.id: int = reply["lease"]
         self.entry: str = reply["entry"]
-        self.key = WeightCacheKey.model_validate(reply["key"])
-        self.manifest = Manifest.from_wire(reply["manifest"])
+        self._key_wire = reply["key"]
+        self.manifest = validated_manifest(reply["manifest"])
         self.arena: dict[str, Any] = reply["arena"]
         self.lost = False  # set when a heartbeat finds the daemon no longer holds this lease
         self.released = False
@@ -66,6 +71,15 @@ class Lease:
         except BaseException:
             self.client._end_lease(self, "abort" if self.kind == "fill" else "release")
             raise
+
+    @property
+    def key(self) -> WeightCacheKey:
+        """The entry's full key (validated on first use: it needs pydantic, an attach does not)."""
+        from wcd.key import WeightCacheKey
+
+        if not isinstance(self._key_wire, WeightCacheKey):
+            self._key_wire = WeightCacheKey.model_validate(self._key_wire)
+        return self._key_wire
 
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -89,7 +103,7 @@ class Lease:
         self.release()
 
     def __repr__(self) -> str:
-        return f"<wcd.Lease {self.id} {self.kind} {self.entry} {len(self.manifest.tensors)} tensors>"
+        return f"<wcd.Lease {self.id} {self.kind} {self.entry} {len(self.manifest)} tensors>"
 
 
 class FillLease(Lease):
@@ -137,7 +151,7 @@ class Client:
         self._replies: dict[int | None, tuple[dict[str, Any], list[int]]] = {}
         self._reading = False
         self._broken: WcdError | None = None
-        self._decoder = protocol.FrameDecoder()
+        self._decoder = wire.FrameDecoder()
         self._leases: dict[int, Lease] = {}
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
@@ -163,7 +177,7 @@ class Client:
             raise DaemonUnavailable(f"cannot connect to {self.path}: {e.strerror}") from None
         self.sock = sock
         try:
-            self.server = self.request("hello", versions=list(protocol.SUPPORTED_VERSIONS), client=self.name)
+            self.server = self.request("hello", versions=list(wire.SUPPORTED_VERSIONS), client=self.name)
         except BaseException:
             self.sock.close()
             raise
@@ -182,7 +196,7 @@ class Client:
         self.sock.close()
         for fd in self._decoder.take_fds():
             os.close(fd)
-        self._decoder = protocol.FrameDecoder()
+        self._decoder = wire.FrameDecoder()
         self._broken = None  # _connect's hello goes through request_fds
         try:
             self._connect()
@@ -216,7 +230,7 @@ class Client:
     def request_fds(self, op: str, **fields: Any) -> tuple[dict[str, Any], list[int]]:
         """Send one request and wait for its reply; returns the reply and the fds it carried."""
         req_id = next(self._ids)
-        data = protocol.encode({"op": op, "id": req_id, **fields})
+        data = wire.encode({"op": op, "id": req_id, **fields})
         with self._send_lock:
             if isinstance(self._broken, DaemonUnavailable) and not self._stop.is_set():
                 self._reconnect()  # raises DaemonUnavailable while the daemon is still down
@@ -274,7 +288,7 @@ class Client:
                 self._fail(DaemonUnavailable(f"no reply from the daemon at {self.path} within the timeout"))
             except OSError as e:
                 self._fail(DaemonUnavailable(f"connection to {self.path} lost ({e.strerror or e})"))
-            fds = protocol.fds_from_ancillary(anc)
+            fds = wire.fds_from_ancillary(anc)
             if not data:
                 for fd in fds:
                     os.close(fd)
@@ -447,9 +461,37 @@ def connect(path: str | os.PathLike[str] | None = None, *, wait_s: float = 0.0,
 
 
 def _target(target: str | WeightCacheKey) -> dict[str, Any]:
-    if isinstance(target, WeightCacheKey):
-        return {"key": target.model_dump()}
-    return {"name": target}
+    if isinstance(target, str):
+        return {"name": target}
+    return {"key": target.model_dump()}
+
+
+# Validated manifests by their wire columns: re-acquiring an entry this process has seen skips
+# validation and view planning. Keyed by the bytes themselves, so a hit is an exact match.
+_MANIFESTS: OrderedDict[tuple[Any, ...], Manifest] = OrderedDict()
+_MANIFESTS_LOCK = threading.Lock()
+_MANIFESTS_KEPT = 16
+_MANIFEST_FIELDS = ("size", "names", "dtypes", "shape_ndims", "shape_dims", "shape_ids", "offsets")
+
+
+def validated_manifest(obj: Any) -> Manifest:
+    """`Manifest.from_wire(obj)`, remembering the last few manifests validated in this process."""
+    try:
+        key = tuple(obj[f] for f in _MANIFEST_FIELDS)
+        hash(key)
+    except (TypeError, KeyError):  # not v2 columns: validate without caching (and fail there if bad)
+        return Manifest.from_wire(obj)
+    with _MANIFESTS_LOCK:
+        manifest = _MANIFESTS.get(key)
+        if manifest is not None:
+            _MANIFESTS.move_to_end(key)
+            return manifest
+    manifest = Manifest.from_wire(obj)
+    with _MANIFESTS_LOCK:
+        _MANIFESTS[key] = manifest
+        while len(_MANIFESTS) > _MANIFESTS_KEPT:
+            _MANIFESTS.popitem(last=False)
+    return manifest
 
 
 def _one_fd(fds: list[int]) -> int:

@@ -1,16 +1,24 @@
 """Tensor layout inside one arena: names, dtypes, shapes and 256-byte-aligned byte offsets.
 
 A manifest never allocates memory. Tensors are C-contiguous, so strides follow from the shape.
-`Manifest.from_wire` validates untrusted layouts (bounds, alignment, overlap, sizes) without
-pydantic's per-object cost: a 100k-tensor manifest must decode in milliseconds.
+It is stored as columns (names, dtype codes, an index into a table of distinct shapes, offsets)
+and travels that way (protocol v2): raw MoE checkpoints have 10^5 tensors, and an engine pays
+for every per-tensor Python step on its start-up clock. `Manifest.from_wire` validates an
+untrusted layout completely (names, dtypes, shapes, alignment, bounds, overlaps) with bulk
+operations on the columns, never a Python step per tensor. Protocol v1's rows are still read
+and written for v1 peers. No torch here.
 """
 
 from __future__ import annotations
 
 import math
+import re
+import sys
+from array import array
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from functools import cached_property, lru_cache
+from itertools import compress
+from operator import add, itemgetter, le, mul
 from typing import Any, NamedTuple
 
 from wcd.errors import BadRequest
@@ -22,7 +30,7 @@ MAX_NDIM = 16
 MAX_DIM = 1 << 48
 
 # safetensors dtype names -> bytes per element. Sub-byte formats (F4, F6_*) have no byte
-# addressable layout and are refused.
+# addressable layout and are refused. The order is the wire code of each dtype: append only.
 DTYPE_SIZES: dict[str, int] = {
     "BOOL": 1, "U8": 1, "I8": 1,
     "F8_E4M3": 1, "F8_E4M3FNUZ": 1, "F8_E5M2": 1, "F8_E5M2FNUZ": 1, "F8_E8M0": 1,
@@ -30,13 +38,20 @@ DTYPE_SIZES: dict[str, int] = {
     "I32": 4, "U32": 4, "F32": 4,
     "I64": 8, "U64": 8, "F64": 8, "C64": 8,
 }
+DTYPES: tuple[str, ...] = tuple(DTYPE_SIZES)
+ITEMSIZES: tuple[int, ...] = tuple(DTYPE_SIZES.values())
+_CODE = {d: i for i, d in enumerate(DTYPES)}
+# NUL separates names on the wire; control characters would let a name forge log lines.
+_BAD_NAME_CHAR = re.compile(r"[\x00-\x1f\x7f]")
+_BAD_JOINED_CHAR = re.compile(r"[\x01-\x1f\x7f]")
+_LITTLE = sys.byteorder == "little"
 
 
 def align_up(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
 
 
-class TensorSpec(NamedTuple):  # a tuple: built thousands of times per attach, it must be cheap
+class TensorSpec(NamedTuple):
     name: str
     dtype: str
     shape: tuple[int, ...]
@@ -49,8 +64,6 @@ class TensorSpec(NamedTuple):  # a tuple: built thousands of times per attach, i
         return contiguous_strides(self.shape)
 
 
-# Models repeat a handful of shapes across thousands of tensors: per-shape results are cached so
-# that decoding a manifest on every attach costs a dictionary lookup per tensor, not a loop.
 @lru_cache(maxsize=4096)
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     out, acc = [], 1
@@ -81,20 +94,52 @@ def tensor_nbytes(name: str, dtype: str, shape: Sequence[int]) -> int:
 def _check_name(name: Any) -> str:
     if type(name) is not str or not name or len(name) > MAX_NAME_LEN:
         raise BadRequest(f"bad tensor name {name!r:.80} (1..{MAX_NAME_LEN} characters)")
+    if _BAD_NAME_CHAR.search(name):
+        raise BadRequest(f"bad tensor name {name!r:.80} (control characters)")
     return name
 
 
-@dataclass(frozen=True)
-class Manifest:
-    """The layout of one arena. `size` is the number of bytes the arena must hold."""
+def _le_bytes(a: array[int]) -> bytes:
+    """The array's items as little-endian bytes (the wire's byte order)."""
+    if _LITTLE:
+        return a.tobytes()
+    b = array(a.typecode, a)
+    b.byteswap()
+    return b.tobytes()
 
-    tensors: tuple[TensorSpec, ...]
-    size: int
+
+def _le_array(typecode: str, data: bytes) -> array[int]:
+    a = array(typecode)
+    a.frombytes(data)
+    if not _LITTLE:
+        a.byteswap()
+    return a
+
+
+class Manifest:
+    """The layout of one arena. `size` is the number of bytes the arena must hold.
+
+    Columns, one item per tensor in layout order: `names`, `dtype_codes` (index into `DTYPES`),
+    `shape_ids` (index into `shapes`, the distinct shapes), `offsets` and `sizes` (bytes).
+    `view_plan` is a slot for the client's views code to cache its per-layout work in; the
+    manifest itself never reads it.
+    """
+
+    def __init__(self, names: tuple[str, ...], dtype_codes: bytes, shapes: tuple[tuple[int, ...], ...],
+                 shape_ids: array[int], offsets: array[int], sizes: list[int], size: int) -> None:
+        self.names, self.dtype_codes, self.shapes = names, dtype_codes, shapes
+        self.shape_ids, self.offsets, self.sizes, self.size = shape_ids, offsets, sizes, size
+        self.view_plan: Any = None
+
+    # -- building (trusted input: checkpoint headers, reserve requests) ---------------------
 
     @classmethod
     def build(cls, items: Iterable[tuple[str, str, Sequence[int]]]) -> Manifest:
         """Lay tensors out in the given order, each at a 256-byte-aligned offset."""
-        specs: list[TensorSpec] = []
+        names: list[str] = []
+        codes = bytearray()
+        shape_index: dict[tuple[int, ...], int] = {}
+        ids, offsets, sizes = array("I"), array("Q"), []
         seen: set[str] = set()
         offset = 0
         for name, dtype, shape in items:
@@ -104,29 +149,136 @@ class Manifest:
             seen.add(name)
             shape = tuple(shape)
             nbytes = tensor_nbytes(name, dtype, shape)
-            specs.append(TensorSpec(name, dtype, shape, offset, nbytes))
+            names.append(name)
+            codes.append(_CODE[dtype])
+            ids.append(shape_index.setdefault(shape, len(shape_index)))
+            offsets.append(offset)
+            sizes.append(nbytes)
             offset = align_up(offset + nbytes)
-            if len(specs) > MAX_TENSORS:
+            if len(names) > MAX_TENSORS:
                 raise BadRequest(f"more than {MAX_TENSORS} tensors")
-        return cls(tuple(specs), max(offset, ALIGN))
+        return cls(tuple(names), bytes(codes), tuple(shape_index), ids, offsets, sizes, max(offset, ALIGN))
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"size": self.size, "tensors": [[t.name, t.dtype, list(t.shape), t.offset] for t in self.tensors]}
+    # -- reading ------------------------------------------------------------------------------
+
+    @cached_property
+    def tensors(self) -> tuple[TensorSpec, ...]:
+        """One `TensorSpec` per tensor (built on first use: the daemon's loader wants rows)."""
+        dtypes = map(DTYPES.__getitem__, self.dtype_codes)
+        shapes = map(self.shapes.__getitem__, self.shape_ids)
+        return tuple(map(TensorSpec, self.names, dtypes, shapes, self.offsets, self.sizes))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data (without alignment padding)."""
+        return sum(self.sizes)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Manifest):
+            return NotImplemented
+        return self.size == other.size and self.tensors == other.tensors
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"<Manifest {len(self.names)} tensors, {self.size} bytes>"
+
+    # -- the wire -----------------------------------------------------------------------------
+
+    def to_wire(self, version: int = 2) -> dict[str, Any]:
+        """The manifest as protocol `version` sends it: v2 columns, v1 rows."""
+        if version == 1:
+            return {"size": self.size, "tensors": [[t.name, t.dtype, list(t.shape), t.offset] for t in self.tensors]}
+        return {
+            "size": self.size,
+            "names": "\0".join(self.names),
+            "dtypes": self.dtype_codes,
+            "shape_ndims": bytes(map(len, self.shapes)),
+            "shape_dims": _le_bytes(array("Q", [d for s in self.shapes for d in s])),
+            "shape_ids": _le_bytes(self.shape_ids),
+            "offsets": _le_bytes(self.offsets),
+        }
 
     @cached_property
     def wire(self) -> dict[str, Any]:
         """`to_wire()`, built once: the daemon sends the same manifest on every acquire."""
         return self.to_wire()
 
+    @cached_property
+    def wire_v1(self) -> dict[str, Any]:
+        return self.to_wire(1)
+
     @classmethod
     def from_wire(cls, obj: Any) -> Manifest:
-        """Validate an untrusted manifest: every tensor aligned, inside `size`, no overlaps."""
-        if not isinstance(obj, dict) or type(obj.get("size")) is not int or not isinstance(obj.get("tensors"), list):
+        """Validate an untrusted manifest, v2 columns or v1 rows: names, dtypes and shapes valid,
+        every tensor aligned and inside `size`, no two overlapping. Raises `BadRequest` only."""
+        if isinstance(obj, dict) and "tensors" in obj:
+            return cls._from_rows(obj)
+        if not isinstance(obj, dict) or type(obj.get("size")) is not int or not isinstance(obj.get("names"), str) \
+                or not all(type(obj.get(k)) is bytes for k in _COLUMNS):
+            raise BadRequest("manifest must be {size: int, names: str, " + ", ".join(f"{k}: bin" for k in _COLUMNS)
+                             + "} (protocol v2) or {size: int, tensors: [[name, dtype, shape, offset], ...]}")
+        size, joined, codes = obj["size"], obj["names"], obj["dtypes"]
+        ndims, dims_b, ids_b, offs_b = obj["shape_ndims"], obj["shape_dims"], obj["shape_ids"], obj["offsets"]
+        n = len(codes)
+        if size <= 0 or size > MAX_DIM or n > MAX_TENSORS:
+            raise BadRequest(f"manifest size {size} or tensor count {n} out of range")
+        if len(ids_b) != 4 * n or len(offs_b) != 8 * n or len(ndims) > max(n, 1) \
+                or len(dims_b) != 8 * sum(ndims):
+            raise BadRequest(f"manifest columns do not agree on {n} tensors")
+        names = tuple(joined.split("\0")) if n else ()
+        if len(names) != n or (joined and not n):
+            raise BadRequest(f"manifest names do not agree on {n} tensors")
+        if n and (min(map(len, names)) < 1 or max(map(len, names)) > MAX_NAME_LEN or _BAD_JOINED_CHAR.search(joined)):
+            bad = next(s for s in names if not s or len(s) > MAX_NAME_LEN or _BAD_NAME_CHAR.search(s))
+            _check_name(bad)
+        if len(set(names)) != n:
+            seen: set[str] = set()
+            dup = next(s for s in names if s in seen or seen.add(s))  # type: ignore[func-returns-value]
+            raise BadRequest(f"tensor {dup!r} appears twice", {"tensor": dup})
+        if n and max(codes) >= len(DTYPES):
+            raise BadRequest(f"unsupported dtype code {max(codes)} (known: 0..{len(DTYPES) - 1})")
+        if ndims and max(ndims) > MAX_NDIM:
+            raise BadRequest(f"a shape has {max(ndims)} dimensions (max {MAX_NDIM})")
+        dims = _le_array("Q", dims_b)
+        if dims and max(dims) > MAX_DIM:
+            raise BadRequest(f"bad dimension {max(dims)} (max {MAX_DIM})")
+        shapes, numels, at = [], [], 0
+        for k in ndims:  # one step per distinct shape, not per tensor
+            shape = tuple(dims[at : at + k])
+            at += k
+            shapes.append(shape)
+            numels.append(math.prod(shape))
+        ids = _le_array("I", ids_b)
+        if n and max(ids) >= len(shapes):
+            raise BadRequest(f"shape index {max(ids)} outside the {len(shapes)} shapes")
+        sizes = list(map(mul, map(numels.__getitem__, ids), map(ITEMSIZES.__getitem__, codes)))
+        offsets = _le_array("Q", offs_b)
+        # 256 = 2**8: an offset is aligned when its low (first, little-endian) byte is zero.
+        ends = list(map(add, offsets, sizes))
+        if any(offs_b[0::8]) or (n and max(ends) > size):
+            i = next(i for i in range(n) if offsets[i] % ALIGN or ends[i] > size)
+            raise BadRequest(f"tensor {names[i]!r}: offset {offsets[i]} not aligned or outside the arena",
+                             {"tensor": names[i]})
+        manifest = cls(names, codes, tuple(shapes), ids, offsets, sizes, size)
+        _check_overlaps(manifest, ends)
+        return manifest
+
+    @classmethod
+    def _from_rows(cls, obj: dict[str, Any]) -> Manifest:
+        """Protocol v1: {size, tensors: [[name, dtype, shape, offset], ...]}."""
+        if type(obj.get("size")) is not int or not isinstance(obj.get("tensors"), list):
             raise BadRequest("manifest must be {size: int, tensors: [[name, dtype, shape, offset], ...]}")
         size, rows = obj["size"], obj["tensors"]
         if size <= 0 or size > MAX_DIM or len(rows) > MAX_TENSORS:
             raise BadRequest(f"manifest size {size} or tensor count {len(rows)} out of range")
-        specs: list[TensorSpec] = []
+        names: list[str] = []
+        codes = bytearray()
+        shape_index: dict[tuple[int, ...], int] = {}
+        ids, offsets, sizes = array("I"), array("Q"), []
         seen: set[str] = set()
         for row in rows:
             if not isinstance(row, (list, tuple)) or len(row) != 4 or not isinstance(row[2], (list, tuple)):
@@ -144,15 +296,32 @@ class Manifest:
             else:
                 nbytes = tensor_nbytes(name, dtype, shape)
             if type(offset) is not int or offset < 0 or offset % ALIGN or offset + nbytes > size:
-                raise BadRequest(f"tensor {name!r}: offset {offset!r} not aligned or outside the arena", {"tensor": name})
-            specs.append(TensorSpec(name, dtype, shape, offset, nbytes))
-        ordered = sorted((t for t in specs if t.nbytes), key=lambda t: t.offset)
-        for a, b in zip(ordered, ordered[1:]):
-            if a.offset + a.nbytes > b.offset:
-                raise BadRequest(f"tensors {a.name!r} and {b.name!r} overlap")
-        return cls(tuple(specs), size)
+                raise BadRequest(f"tensor {name!r}: offset {offset!r} not aligned or outside the arena",
+                                 {"tensor": name})
+            names.append(name)
+            codes.append(_CODE[dtype])
+            ids.append(shape_index.setdefault(shape, len(shape_index)))
+            offsets.append(offset)
+            sizes.append(nbytes)
+        manifest = cls(tuple(names), bytes(codes), tuple(shape_index), ids, offsets, sizes, size)
+        _check_overlaps(manifest, list(map(add, offsets, sizes)))
+        return manifest
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of tensor data (without alignment padding)."""
-        return sum(t.nbytes for t in self.tensors)
+
+_COLUMNS = ("dtypes", "shape_ndims", "shape_dims", "shape_ids", "offsets")
+
+
+def _check_overlaps(m: Manifest, ends: list[int]) -> None:
+    """No two tensors with data share a byte (zero-size tensors may sit anywhere)."""
+    starts, stops, names = m.offsets, ends, m.names
+    if 0 in m.sizes:
+        starts, stops, names = (list(compress(c, m.sizes)) for c in (m.offsets, ends, m.names))  # type: ignore[assignment]
+    if len(starts) < 2:
+        return
+    if not all(map(le, starts[:-1], starts[1:])):
+        order = sorted(range(len(starts)), key=starts.__getitem__)
+        pick = itemgetter(*order)
+        starts, stops, names = pick(starts), pick(stops), pick(names)  # type: ignore[assignment]
+    if not all(map(le, stops[:-1], starts[1:])):
+        i = next(i for i in range(len(starts) - 1) if stops[i] > starts[i + 1])
+        raise BadRequest(f"tensors {names[i]!r} and {names[i + 1]!r} overlap")

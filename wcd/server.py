@@ -61,6 +61,7 @@ class Connection:
         self.loop = server.loop
         self.decoder = FrameDecoder()
         self.hello = False
+        self.version = 1  # the protocol version hello agreed on
         self.client = ""
         self.closed = False
         self.tasks: set[asyncio.Task[None]] = set()
@@ -653,7 +654,7 @@ class Server:
             raise UnsupportedVersion(
                 f"client speaks protocol {req.versions}, daemon speaks {list(protocol.SUPPORTED_VERSIONS)}: "
                 "upgrade the older side")
-        conn.hello, conn.client = True, req.client
+        conn.hello, conn.client, conn.version = True, req.client, common[-1]
         conn.send(protocol.ok(
             req.id, version=common[-1], server=f"wcd {__version__}", instance=self.instance,
             features=["host-arenas", "publish", "verify", "metrics"] + (["cuda-arenas"] if any(
@@ -753,7 +754,7 @@ class Server:
         entry, arena = lease.entry, lease.entry.arena
         conn.send(protocol.ok(
             req_id, lease=lease.id, kind=lease.kind, entry=entry.name, key=entry.key.model_dump(),
-            manifest=entry.manifest.wire, ttl_s=self.cache.lease_ttl_s,
+            manifest=entry.manifest.wire if conn.version >= 2 else entry.manifest.wire_v1, ttl_s=self.cache.lease_ttl_s,
             arena={"kind": arena.kind, "size": arena.size, "device": arena.device}), [arena.fd()])
 
     async def op_reserve(self, conn: Connection, req: protocol.Reserve) -> None:

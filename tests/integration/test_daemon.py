@@ -417,3 +417,31 @@ def test_second_daemon_on_same_socket_refuses(make_daemon):
     assert len(out.stderr.strip().splitlines()) == 1
     with d.client() as c:
         c.ping()
+
+
+def test_hello_negotiates_the_manifest_format(make_daemon, checkpoint, monkeypatch):
+    """v2 peers get columnar manifests, v1 peers (wcd 0.1 clients) still get rows; both attach."""
+    path, tensors = checkpoint
+    d = make_daemon(model_config(path))
+    for versions, form in (([1], "tensors"), ([1, 2], "names")):
+        s = _raw(d)
+        dec = protocol.FrameDecoder()
+        replies = []
+        s.sendall(protocol.encode({"op": "hello", "id": 1, "versions": versions}) +
+                  protocol.encode({"op": "acquire", "id": 2, "name": "m"}))
+        while len(replies) < 2:
+            data, anc, _, _ = s.recvmsg(1 << 20, socket.CMSG_SPACE(64))
+            dec.feed(data, protocol.fds_from_ancillary(anc))
+            while (item := dec.next_message()) is not None:
+                replies.append(item)
+        (hello, _), (acquired, fds) = replies
+        assert hello["version"] == max(versions) and len(fds) == 1
+        assert form in acquired["manifest"]
+        os.close(fds[0])
+        s.close()
+    from wcd import wire
+
+    monkeypatch.setattr(wire, "SUPPORTED_VERSIONS", (1,))
+    with d.client() as c, c.acquire("m") as lease:
+        assert c.server["version"] == 1
+        assert all(same(lease.tensors[n], t) for n, t in tensors.items())

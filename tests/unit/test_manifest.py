@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import struct
 from typing import Any
 
 import msgpack
@@ -12,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wcd.errors import BadRequest
-from wcd.manifest import ALIGN, DTYPE_SIZES, MAX_NAME_LEN, MAX_NDIM, Manifest, TensorSpec
+from wcd.manifest import ALIGN, DTYPE_SIZES, DTYPES, MAX_NAME_LEN, MAX_NDIM, Manifest, TensorSpec
 
 SETTINGS = settings(max_examples=60, deadline=None)
 
@@ -144,18 +145,127 @@ def test_name_length_limit_is_inclusive() -> None:
 # -- wire form ----------------------------------------------------------------------------------
 
 
-def test_to_wire_shape() -> None:
+def test_to_wire_v1_rows() -> None:
     m = Manifest.build([("w", "BF16", (2, 3)), ("b", "F32", ())])
-    assert m.to_wire() == {"size": 512, "tensors": [["w", "BF16", [2, 3], 0], ["b", "F32", [], 256]]}
+    assert m.to_wire(1) == {"size": 512, "tensors": [["w", "BF16", [2, 3], 0], ["b", "F32", [], 256]]}
+
+
+def test_to_wire_v2_columns() -> None:
+    m = Manifest.build([("w", "BF16", (2, 3)), ("b", "F32", ()), ("v", "BF16", (2, 3))])
+    w = m.to_wire(2)
+    assert w["size"] == m.size and w["names"].split("\0") == ["w", "b", "v"]
+    assert [DTYPES[c] for c in w["dtypes"]] == ["BF16", "F32", "BF16"]
+    assert list(w["shape_ndims"]) == [2, 0]  # two distinct shapes: (2, 3) and ()
+    assert struct.unpack("<2Q", w["shape_dims"]) == (2, 3)
+    assert struct.unpack("<3I", w["shape_ids"]) == (0, 1, 0)
+    assert struct.unpack("<3Q", w["offsets"]) == (0, 256, 512)
 
 
 @SETTINGS
-@given(layout=layouts)
-def test_wire_round_trip(layout: list[tuple[str, str, tuple[int, ...]]]) -> None:
+@given(layout=layouts, version=st.sampled_from([1, 2]))
+def test_wire_round_trip(layout: list[tuple[str, str, tuple[int, ...]]], version: int) -> None:
     m = Manifest.build(layout)
-    assert Manifest.from_wire(m.to_wire()) == m
-    over_msgpack = msgpack.unpackb(msgpack.packb(m.to_wire()), raw=False)
+    assert Manifest.from_wire(m.to_wire(version)) == m
+    over_msgpack = msgpack.unpackb(msgpack.packb(m.to_wire(version), use_bin_type=True), raw=False)
     assert Manifest.from_wire(over_msgpack) == m
+
+
+def columns(rows: list[list[Any]], size: int = 4096) -> dict[str, Any]:
+    """A v2 manifest with the given [name, dtype, shape, offset] rows, one shape per row."""
+    return {
+        "size": size, "names": "\0".join(r[0] for r in rows), "dtypes": bytes(DTYPES.index(r[1]) for r in rows),
+        "shape_ndims": bytes(len(r[2]) for r in rows),
+        "shape_dims": struct.pack(f"<{sum(len(r[2]) for r in rows)}Q", *(d for r in rows for d in r[2])),
+        "shape_ids": struct.pack(f"<{len(rows)}I", *range(len(rows))),
+        "offsets": struct.pack(f"<{len(rows)}Q", *(r[3] for r in rows)),
+    }
+
+
+def test_v2_accepts_any_order_gaps_and_shared_zero_size_offsets() -> None:
+    m = Manifest.from_wire(columns([["b", "F32", [64], 1024], ["a", "F32", [64], 0], ["z", "F32", [0], 0],
+                                    ["y", "F32", [0], 1024]]))
+    assert [(t.name, t.offset, t.nbytes) for t in m.tensors] == [("b", 1024, 256), ("a", 0, 256), ("z", 0, 0),
+                                                                  ("y", 1024, 0)]
+
+
+@pytest.mark.parametrize(
+    ("rows", "size", "why"),
+    [
+        ([["a", "F32", [64], 128]], 4096, "not aligned or outside"),
+        ([["a", "F32", [65], 256]], 512, "not aligned or outside"),
+        ([["a", "U8", [0], 768]], 512, "not aligned or outside"),
+        ([["a", "U8", [257], 0], ["b", "U8", [1], 256]], 4096, "overlap"),
+        ([["b", "U8", [1], 256], ["a", "U8", [257], 0]], 4096, "overlap"),
+        ([["a", "U8", [1], 0], ["a", "U8", [1], 256]], 4096, "'a' appears twice"),
+        ([["", "U8", [1], 0]], 4096, "bad tensor name"),
+        ([["a\nFAKE LOG LINE", "U8", [1], 0]], 4096, "control characters"),
+        ([["x" * (MAX_NAME_LEN + 1), "U8", [1], 0]], 4096, "bad tensor name"),
+        ([["a", "U8", [1] * (MAX_NDIM + 1), 0]], 4096, "dimensions"),
+        ([["a", "U8", [(1 << 48) + 1], 0]], 4096, "bad dimension"),
+        ([], 0, "out of range"),
+    ],
+)
+def test_v2_refuses(rows: list[list[Any]], size: int, why: str) -> None:
+    assert why in refused(columns(rows, size))
+
+
+def test_v2_refuses_inconsistent_columns() -> None:
+    good = columns([["a", "U8", [1], 0], ["b", "U8", [1], 256]])
+    for field, value, why in [
+        ("dtypes", bytes([len(DTYPES)]) * 2, "unsupported dtype code"),
+        ("shape_ids", struct.pack("<2I", 0, 2), "shape index"),
+        ("shape_ids", struct.pack("<1I", 0), "do not agree"),
+        ("offsets", struct.pack("<3Q", 0, 256, 512), "do not agree"),
+        ("shape_dims", struct.pack("<1Q", 1), "do not agree"),
+        ("names", "a\0b\0c", "do not agree"),
+        ("names", "a\0\0", "do not agree"),
+        ("names", b"a\0b", "manifest must be"),
+        ("offsets", "x", "manifest must be"),
+    ]:
+        assert why in refused({**good, field: value}), field
+
+
+def test_v2_accepts_what_v1_accepts() -> None:
+    rows = [["a", "F32", [64], 0], ["b", "BF16", [3, 5], 256], ["c", "F32", [], 512]]
+    assert Manifest.from_wire(columns(rows)) == Manifest.from_wire(wire(*rows))
+
+
+_row = st.tuples(
+    st.sampled_from(["a", "b", "c", "", "d\n"]), st.sampled_from(sorted(DTYPE_SIZES)),
+    st.lists(st.integers(0, 40), max_size=3), st.integers(0, 20).map(lambda k: k * 128),
+).map(list)
+
+
+@SETTINGS
+@given(size=st.integers(0, 4096), rows=st.lists(_row, max_size=6))
+def test_v2_and_v1_agree_on_every_layout(size: int, rows: list[list[Any]]) -> None:
+    """The bulk validator of v2 columns accepts exactly what the per-row v1 validator accepts."""
+    def decide(obj: dict[str, Any]) -> Any:
+        try:
+            return Manifest.from_wire(obj)
+        except BadRequest:
+            return None
+
+    assert decide(columns(rows, size)) == decide(wire(*rows, size=size))
+
+
+@SETTINGS
+@given(size=st.integers(-10, 1 << 50) | st.none(), data=st.data())
+def test_v2_never_raises_anything_but_bad_request(size: Any, data: Any) -> None:
+    obj = columns([["a", "U8", [3], 0], ["b", "F32", [2, 2], 256]])
+    obj["size"] = size
+    for field in ("names", "dtypes", "shape_ndims", "shape_dims", "shape_ids", "offsets"):
+        if data.draw(st.booleans()):
+            obj[field] = data.draw(st.binary(max_size=24) | st.text(max_size=8) | st.none() | st.integers())
+    try:
+        m = Manifest.from_wire(obj)
+    except BadRequest:
+        return
+    live = sorted((t for t in m.tensors if t.nbytes), key=lambda t: t.offset)
+    for t in m.tensors:
+        assert t.offset % ALIGN == 0 and t.offset + t.nbytes <= m.size and t.dtype in DTYPE_SIZES
+    for a, b in zip(live, live[1:]):
+        assert a.offset + a.nbytes <= b.offset
 
 
 def test_from_wire_accepts_any_order_gaps_and_shared_zero_size_offsets() -> None:

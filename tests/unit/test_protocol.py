@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wcd import errors, protocol
+from wcd import errors, protocol, wire
 from wcd.errors import BadRequest, ProtocolError
 from wcd.key import WeightCacheKey
 from wcd.protocol import FrameDecoder, encode, parse_request
@@ -72,7 +72,7 @@ def test_encode_announces_fds_and_decoder_strips_the_field() -> None:
 
 
 def test_encode_refuses_oversize_message(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(protocol, "MAX_FRAME_BYTES", 100)
+    monkeypatch.setattr(wire, "MAX_FRAME_BYTES", 100)
     encode({"blob": b"x" * 50})
     with pytest.raises(BadRequest, match="frame limit"):
         encode({"blob": b"x" * 200})
