@@ -471,7 +471,7 @@ def _target(target: str | WeightCacheKey) -> dict[str, Any]:
 _MANIFESTS: OrderedDict[tuple[Any, ...], Manifest] = OrderedDict()
 _MANIFESTS_LOCK = threading.Lock()
 _MANIFESTS_KEPT = 16
-_MANIFEST_FIELDS = ("size", "names", "dtypes", "shape_ndims", "shape_dims", "shape_ids", "offsets")
+_MANIFEST_FIELDS = ("size", "names", "dtypes", "shape_ndims", "shape_dims", "shape_ids", "offsets", "runs")
 
 
 def validated_manifest(obj: Any) -> Manifest:

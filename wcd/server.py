@@ -747,6 +747,10 @@ class Server:
             if not req.wait:
                 raise Busy(f"entry {entry.name!r} is {entry.state}", {"state": entry.state})
             entry = await self._wait_ready(entry, req.timeout_s)
+        if not entry.manifest.wire_ready(conn.version):  # once per entry; 10^5 tensors take a while
+            await asyncio.to_thread(entry.manifest.wire, conn.version)
+            if self.cache.entries.get(entry.name) is not entry:
+                raise NotFound(f"entry {entry.name!r} was evicted while it was being acquired")
         lease = self.cache.acquire(entry, conn, conn.pid, conn.uid)
         self._send_lease(conn, req.id, lease)
 
@@ -754,7 +758,7 @@ class Server:
         entry, arena = lease.entry, lease.entry.arena
         conn.send(protocol.ok(
             req_id, lease=lease.id, kind=lease.kind, entry=entry.name, key=entry.key.model_dump(),
-            manifest=entry.manifest.wire if conn.version >= 2 else entry.manifest.wire_v1, ttl_s=self.cache.lease_ttl_s,
+            manifest=entry.manifest.wire(conn.version), ttl_s=self.cache.lease_ttl_s,
             arena={"kind": arena.kind, "size": arena.size, "device": arena.device}), [arena.fd()])
 
     async def op_reserve(self, conn: Connection, req: protocol.Reserve) -> None:
@@ -768,7 +772,8 @@ class Server:
         self._reclaim(victims)
         self._ready[name] = asyncio.Event()
         try:
-            arena: Arena = await asyncio.to_thread(backend.create, key.device, entry.nbytes, name)
+            arena: Arena = await asyncio.to_thread(_prepared, manifest, conn.version, backend.create, key.device,
+                                                   entry.nbytes, name)
         except BaseException:
             self._reclaim(self.cache.load_failed(entry))
             raise
@@ -833,6 +838,13 @@ class _EntryProgress:
 
     def add(self, n: int) -> None:
         self.entry.done_bytes += n  # a racy += only undercounts progress transiently; fine for display
+
+
+def _prepared(manifest: Manifest, version: int, create: Callable[..., Arena], *args: Any) -> Arena:
+    """`create(*args)` after building the manifest's wire form, both off the loop: for 10^5
+    tensors the wire form takes a while, and the publisher gets it with the arena."""
+    manifest.wire(version)
+    return create(*args)
 
 
 def _log_failure(task: asyncio.Task[Any]) -> None:

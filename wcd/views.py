@@ -1,8 +1,8 @@
 """Torch tensor views over a mapped arena: the client side of attach and publish.
 
 One mapping per arena, one base tensor per dtype, then views built in batches by C++ calls
-(`as_strided` + `unbind` per run of same-shaped tensors): attach cost grows with the number of
-distinct runs in the layout, and per tensor only by what torch itself pays for a view. Host arenas are
+(`as_strided` + `unbind` per run of same-shaped tensors at a constant stride): attach cost grows
+with the number of runs in the layout, and per tensor only by what torch itself pays for a view. Host arenas are
 mapped MAP_PRIVATE for read leases (stray writes stay private) and MAP_SHARED for fill leases.
 This module imports torch; the daemon never imports it.
 """
@@ -42,16 +42,16 @@ def wire_dtype(dtype: torch.dtype) -> str:
 def build_views(base: torch.Tensor, manifest: Manifest) -> dict[str, torch.Tensor]:
     """Tensor views of a uint8 `base` covering the arena, one per manifest entry, no copies.
 
-    Tensors of one dtype and shape that sit at a constant stride in the arena (the usual layout:
-    a model repeats each layer's shapes) come out of one `as_strided` + `unbind` call, so the
-    per-tensor work happens in C++; a Python step is taken per run, not per tensor. The plan is
-    computed once per manifest and kept on it (`Manifest.view_plan`) for later acquires.
+    Each of the manifest's runs (tensors of one dtype and shape at a constant stride: the daemon
+    groups a model's repeated layers into runs) comes out of one `as_strided` + `unbind` call, so
+    the per-tensor work happens in C++; a Python step is taken per run, not per tensor. The plan
+    is kept on the manifest (`Manifest.view_plan`) for later acquires.
     """
     plan = manifest.view_plan
     if plan is None:
         plan = manifest.view_plan = _plan(manifest)
     typed: dict[int, torch.Tensor] = {}
-    out: dict[str, Any] = dict.fromkeys(manifest.names)
+    out: dict[str, Any] = manifest.slots.copy()
     # Creating 10^5 tensor objects would trigger full collections of every object the process
     # (torch included) holds, for nothing: views form no reference cycles.
     gc_enabled = gc.isenabled()
@@ -76,36 +76,18 @@ _Run = tuple[int, tuple[int, ...], tuple[int, ...], int, int, int, tuple[str, ..
 
 
 def _plan(manifest: Manifest) -> list[_Run]:
-    """Runs of same-dtype, same-shape tensors at a constant stride: (dtype code, shape, strides,
-    first offset and stride in elements, count, names). Vectorized: no Python step per tensor."""
-    n = len(manifest.names)
-    if n == 0:
-        return []
-    codes = torch.frombuffer(bytearray(manifest.dtype_codes), dtype=torch.uint8).to(torch.int64)
-    key = torch.frombuffer(manifest.shape_ids, dtype=torch.int32).to(torch.int64) * len(DTYPES) + codes
-    offsets = torch.frombuffer(manifest.offsets, dtype=torch.int64)
-    by_offset = torch.argsort(offsets, stable=True)
-    order = by_offset[torch.argsort(key[by_offset], stable=True)]
-    key, offsets = key[order], offsets[order]
-    starts = torch.ones(n, dtype=torch.bool)
-    if n > 1:
-        same = key[1:] == key[:-1]
-        gap = offsets[1:] - offsets[:-1]
-        starts[1:] = ~same
-        if n > 2:  # a run continues while its stride stays the same
-            starts[2:] |= (gap[1:] != gap[:-1]) & same[:-1]
-    bounds = torch.nonzero(starts).flatten().tolist() + [n]
-    order_l, offsets_l = order.tolist(), offsets.tolist()
-    names, ids, shapes = manifest.names, manifest.shape_ids, manifest.shapes
+    """(dtype code, shape, strides, first offset and stride in elements, count, names) for each of
+    the manifest's runs (validated by `Manifest.from_wire`): one Python step per run."""
     runs: list[_Run] = []
-    for a, b in zip(bounds, bounds[1:]):
-        first = order_l[a]
-        code = manifest.dtype_codes[first]
+    at = 0
+    for count in manifest.runs:
+        code = manifest.dtype_codes[at]
         size = ITEMSIZES[code]
-        shape = shapes[ids[first]]
-        step = (offsets_l[a + 1] - offsets_l[a]) // size if b - a > 1 else 0
-        runs.append((code, shape, contiguous_strides(shape), offsets_l[a] // size, step, b - a,
-                     tuple(map(names.__getitem__, order_l[a:b]))))
+        shape = manifest.shapes[manifest.shape_ids[at]]
+        step = (manifest.offsets[at + 1] - manifest.offsets[at]) // size if count > 1 else 0
+        runs.append((code, shape, contiguous_strides(shape), manifest.offsets[at] // size, step, count,
+                     manifest.names[at : at + count]))
+        at += count
     return runs
 
 

@@ -11,17 +11,16 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import re
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
 from cuda.bindings import driver as cuda
 
 from wcd.arenas.base import Arena, ArenaBackend, ArenaWriter, DeviceInfo
+from wcd.arenas.cudrv import Gpu, format_uuid, resolve_gpu
 from wcd.errors import BadRequest, Internal, OutOfMemory
 from wcd.manifest import align_up
 
@@ -33,7 +32,6 @@ STAGING_BYTES = 4 << 20
 STAGING_BUFFERS = 2  # per loader thread: read into one while the other is being copied
 _SUCCESS = cuda.CUresult.CUDA_SUCCESS
 _BAD_DEVICE = (cuda.CUresult.CUDA_ERROR_INVALID_DEVICE, cuda.CUresult.CUDA_ERROR_NO_DEVICE)
-_CUDA_N = re.compile(r"cuda(?::(\d+))?")
 
 
 def _check(result: tuple[Any, ...], what: str) -> Any:
@@ -62,22 +60,6 @@ def _cleanup(*steps: Callable[[], object]) -> None:
         raise first
 
 
-@dataclass(frozen=True)
-class Gpu:
-    ordinal: int  # CUdevice in this process's enumeration (after CUDA_VISIBLE_DEVICES)
-    uuid: str  # "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", as nvidia-smi -L prints it
-    name: str
-
-    @property
-    def label(self) -> str:
-        return f"{self.name} (cuda:{self.ordinal})"
-
-
-def format_uuid(raw: bytes) -> str:
-    h = raw.hex()
-    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
-
-
 @cache
 def gpus() -> tuple[Gpu, ...]:
     """The GPUs this process sees, after `cuInit`. Enumeration is fixed for a process's lifetime."""
@@ -99,20 +81,7 @@ def gpus() -> tuple[Gpu, ...]:
 
 def find_gpu(device: str) -> Gpu:
     """Resolve "cuda", "cuda:N" or a GPU UUID (any case) against this process's GPUs."""
-    visible = gpus()
-    m = _CUDA_N.fullmatch(device)
-    if m:
-        n = int(m.group(1) or 0)
-        if n < len(visible):
-            return visible[n]
-    else:
-        for gpu in visible:
-            if gpu.uuid.lower() == device.lower():
-                return gpu
-    seen = ", ".join(f"cuda:{g.ordinal}={g.uuid}" for g in visible) or "none"
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    where = f" (CUDA_VISIBLE_DEVICES={env!r})" if env is not None else ""
-    raise BadRequest(f"GPU {device!r} is not visible to this process{where}; visible GPUs: {seen}")
+    return resolve_gpu(device, gpus())
 
 
 def retain_context(gpu: Gpu) -> Any:

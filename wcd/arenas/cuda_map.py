@@ -3,20 +3,18 @@
 The GPU is found by UUID in this process's own enumeration, so CUDA_VISIBLE_DEVICES remapping
 works. Read leases map with PROT_READ: a stray write faults in this engine and never reaches the
 shared copy. Fill leases map read-write. The mapping lives as long as any tensor over it (like
-host arenas); `close` never unmaps under a live view. Imports torch; the daemon never does.
+host arenas); `close` never unmaps under a live view. Driver calls go through `wcd.arenas.cudrv`
+(ctypes), not cuda-bindings: this runs on the engine's start-up clock. Imports torch; the daemon
+never does.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any
 
 import torch
-from cuda.bindings import driver as cuda
 
-from wcd.arenas.cuda import (
-    POSIX_FD, Gpu, VaMapping, _check, _cleanup, current, find_gpu, release_context, retain_context,
-)
+from wcd.arenas.cudrv import Driver, Gpu, driver, resolve_gpu
 from wcd.errors import Internal
 
 
@@ -31,32 +29,32 @@ class _Memory:
 class CudaMapping:
     """One imported and mapped arena (the `mapping` half of `map_cuda_arena`'s result)."""
 
-    def __init__(self, fd: int, size: int, gpu: Gpu, writable: bool) -> None:
+    def __init__(self, fd: int, size: int, drv: Driver, gpu: Gpu, writable: bool) -> None:
         self.gpu, self.size, self.writable = gpu, size, writable
         torch.cuda.init()
         # The primary context is the one torch's runtime uses: retaining it here makes the mapping
         # visible to torch's kernels, and keeps the context alive until we unmap.
-        ctx = retain_context(gpu)
+        ctx = drv.retain_primary_context(gpu)
         try:
-            with current(ctx):
-                handle = _check(cuda.cuMemImportFromShareableHandle(fd, POSIX_FD), "cuMemImportFromShareableHandle")
+            with drv.current(ctx):
+                handle = drv.import_fd(fd)
                 try:
-                    va = VaMapping(handle, gpu, size, writable)
+                    ptr = drv.map(handle, gpu, size, writable)
                 except BaseException:
-                    cuda.cuMemRelease(handle)
+                    drv.release(handle)
                     raise
         except BaseException:
-            release_context(gpu)
+            drv.release_primary_context(gpu)
             raise
-        memory = _Memory(va.ptr, size)
-        self._finalizer = weakref.finalize(memory, _unmap, gpu, ctx, handle, va)
+        memory = _Memory(ptr, size)
+        self._finalizer = weakref.finalize(memory, _unmap, drv, gpu, ctx, handle, ptr, size)
         self._finalizer.atexit = False  # at exit the driver reclaims everything; don't call into it
         try:
             with torch.cuda.device(gpu.ordinal):
                 self._base: torch.Tensor | None = torch.as_tensor(memory, device=f"cuda:{gpu.ordinal}")
         except RuntimeError as e:
             raise Internal(f"cannot view mapped GPU memory as a torch tensor ({e}); torch needs numpy here") from None
-        if self._base.data_ptr() != va.ptr:
+        if self._base.data_ptr() != ptr:
             raise Internal("torch copied the mapped arena instead of viewing it")
 
     def take_base(self) -> torch.Tensor:
@@ -74,14 +72,19 @@ class CudaMapping:
             raise BufferError("tensors over this CUDA arena are still referenced; it unmaps when the last one dies")
 
 
-def _unmap(gpu: Gpu, ctx: Any, handle: Any, va: VaMapping) -> None:
+def _unmap(drv: Driver, gpu: Gpu, ctx: int, handle: int, ptr: int, size: int) -> None:
     # Synchronize first: a kernel still reading the arena must finish before its pages go away.
     try:
-        with current(ctx):
-            _cleanup(lambda: _check(cuda.cuCtxSynchronize(), "cuCtxSynchronize"), va.close,
-                     lambda: _check(cuda.cuMemRelease(handle), "cuMemRelease"))
+        with drv.current(ctx):
+            try:
+                drv.synchronize()
+            finally:
+                try:
+                    drv.unmap(ptr, size)
+                finally:
+                    drv.release(handle)
     finally:
-        release_context(gpu)
+        drv.release_primary_context(gpu)
 
 
 def map_cuda_arena(fd: int, size: int, device: str, writable: bool) -> tuple[torch.Tensor, CudaMapping]:
@@ -89,5 +92,6 @@ def map_cuda_arena(fd: int, size: int, device: str, writable: bool) -> tuple[tor
 
     Raises `BadRequest` when that GPU is not visible to this process.
     """
-    mapping = CudaMapping(fd, size, find_gpu(device), writable)
+    drv = driver()
+    mapping = CudaMapping(fd, size, drv, resolve_gpu(device, drv.gpus()), writable)
     return mapping.take_base(), mapping
