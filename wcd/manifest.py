@@ -298,16 +298,23 @@ class Manifest:
         ids = _le_array("I", ids_b)
         if n and max(ids) >= len(shapes):
             raise BadRequest(f"shape index {max(ids)} outside the {len(shapes)} shapes")
-        sizes = list(map(mul, map(numels.__getitem__, ids), map(ITEMSIZES.__getitem__, codes)))
         offsets = _le_array("Q", offs_b)
+        runs = _le_array("I", obj["runs"])
+        _check_runs(runs, codes, ids, offsets)
+        sizes: list[int] = []
+        if len(runs) * 4 < n:  # a run's tensors all have one size
+            at = 0
+            for count in runs:
+                sizes += [numels[ids[at]] * ITEMSIZES[codes[at]]] * count
+                at += count
+        else:
+            sizes = list(map(mul, map(numels.__getitem__, ids), map(ITEMSIZES.__getitem__, codes)))
         # 256 = 2**8: an offset is aligned when its low (first, little-endian) byte is zero.
         ends = list(map(add, offsets, sizes))
         if any(offs_b[0::8]) or (n and max(ends) > size):
             i = next(i for i in range(n) if offsets[i] % ALIGN or ends[i] > size)
             raise BadRequest(f"tensor {names[i]!r}: offset {offsets[i]} not aligned or outside the arena",
                              {"tensor": names[i]})
-        runs = _le_array("I", obj["runs"])
-        _check_runs(runs, codes, ids, offsets)
         manifest = cls(names, codes, tuple(shapes), ids, offsets, sizes, size, slots, runs)
         _check_overlaps(manifest, ends)
         return manifest
