@@ -2,7 +2,7 @@
 
 No I/O and no asyncio: time comes from an injected clock, arenas are opaque handles the cache
 never touches. Operations that free memory return the entries they dropped; the caller (the
-server) closes their arenas. Theory of operation:
+`wcd.residency`) closes their arenas. Theory of operation:
 
 - An entry is admitted against its device's budget, evicting least-recently-used candidates
   (`cached`/`ephemeral`, `ready`, no leases) if needed; otherwise `OutOfMemory`.
@@ -29,6 +29,7 @@ from wcd.manifest import Manifest
 State = Literal["loading", "filling", "ready", "evicting"]
 Retention = Literal["pinned", "cached", "ephemeral"]
 LeaseKind = Literal["read", "fill"]
+Origin = Literal["config", "load", "publish"]
 
 
 @dataclass(eq=False)
@@ -49,12 +50,12 @@ class Entry:
     manifest: Manifest
     nbytes: int  # arena bytes charged against the device budget
     retention: Retention
-    origin: Literal["config", "load", "publish"]
+    origin: Origin
     state: State
     created_at: float
     last_used: float
     leases: dict[int, Lease] = field(default_factory=dict)
-    arena: Any = None  # opaque to the cache: the server's arena handle
+    arena: Any = None  # opaque to the cache: the arena residency allocated
     done_bytes: int = 0  # load progress
     acquires: int = 0
     notes: list[str] = field(default_factory=list)  # shown in status, e.g. "checkpoint missing"
@@ -129,7 +130,7 @@ class Cache:
 
     def admit(
         self, name: str, key: WeightCacheKey, manifest: Manifest, nbytes: int, retention: Retention,
-        origin: Literal["config", "load", "publish"],
+        origin: Origin,
     ) -> tuple[Entry, list[Entry]]:
         """Create an entry (state `loading`, or `filling` for publishes) charged to its device.
 
@@ -205,6 +206,12 @@ class Cache:
 
     def load_failed(self, entry: Entry) -> list[Entry]:
         return [self._drop(entry)] if entry.name in self.entries and self.entries[entry.name] is entry else []
+
+    def cancel_loads(self) -> None:
+        """Mark every loading entry `evicting`, so its loader stops at the next chunk (shutdown)."""
+        for entry in self.entries.values():
+            if entry.state == "loading":
+                entry.state = "evicting"
 
     # -- leases -----------------------------------------------------------------------------
 
