@@ -21,8 +21,8 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from wcd.errors import BadRequest, Busy, KeyMismatch, LeaseExpired, NotFound, OutOfMemory
 from wcd.config import format_size
+from wcd.errors import BadRequest, Busy, KeyMismatch, LeaseExpired, NotFound, OutOfMemory
 from wcd.key import WeightCacheKey
 from wcd.manifest import Manifest
 
@@ -87,7 +87,8 @@ class Entry:
 
 
 class Cache:
-    def __init__(self, budgets: dict[str, int], lease_ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, budgets: dict[str, int], lease_ttl_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.budgets = dict(budgets)
         self.lease_ttl_s = lease_ttl_s
         self.clock = clock
@@ -173,8 +174,9 @@ class Cache:
         if free < nbytes:
             held = self.used(device) - sum(e.nbytes for e in candidates)
             raise OutOfMemory(
-                f"{format_size(nbytes)} does not fit on {device}: budget {format_size(budget)}, {format_size(held)} held by pinned, "
-                f"leased or loading entries; evict something (wcdctl evict) or raise the budget",
+                f"{format_size(nbytes)} does not fit on {device}: budget {format_size(budget)}, "
+                f"{format_size(held)} held by pinned, leased or loading entries; "
+                "evict something (wcdctl evict) or raise the budget",
                 {"device": device, "need": nbytes, "budget": budget, "held": held},
             )
         return victims
@@ -294,7 +296,8 @@ class Cache:
             return []
         if lease.kind == "fill" and entry.state in ("filling", "evicting"):
             return [self._drop(entry)]
-        if not entry.leases and (entry.state == "evicting" or (entry.retention == "ephemeral" and entry.state == "ready")):
+        unused = entry.state == "evicting" or (entry.retention == "ephemeral" and entry.state == "ready")
+        if not entry.leases and unused:
             return [self._drop(entry)]
         return []
 
