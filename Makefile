@@ -11,7 +11,7 @@ SPEC := $(shell cat pyproject.toml | sha256sum | cut -c1-12)-$(shell echo '$(TOR
 VENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/wcd/venv-$(SPEC)
 BIN := $(VENV)/bin
 
-.PHONY: venv demo test test-unit test-package test-system test-engines package bench clean-venv
+.PHONY: venv demo lint test test-unit test-package test-system test-engines package bench clean-venv
 
 $(VENV)/.ready:
 	rm -rf "$(VENV)"
@@ -27,8 +27,14 @@ venv: $(VENV)/.ready
 demo: venv
 	"$(BIN)/wcd" demo
 
-# Unit, integration (a real daemon over a real socket), CLI and GPU tests (GPU ones skip without a GPU).
-test: venv
+# ruff (style, import order) over the tree and mypy (typed defs) over wcd/, as configured in pyproject.toml.
+lint: venv
+	"$(BIN)/ruff" check .
+	"$(BIN)/mypy"
+
+# Lint, then unit, integration (a real daemon over a real socket), CLI and GPU tests (GPU ones skip
+# without a GPU).
+test: lint
 	"$(BIN)/python" -m pytest -q -p no:cacheprovider -m "not package and not system" tests
 
 # Builds the Debian package and checks it (installs debhelper and lintian with apt-get if missing).

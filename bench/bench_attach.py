@@ -182,7 +182,8 @@ def main() -> None:
         ckpts = {}
         for n, mb in zip(counts, sizes):
             ckpts[n] = write_fast_checkpoint(root / f"ckpt-{n}", mb * 1_000_000, n)
-            models += f'[[models]]\nname = "n{n}"\npath = "{ckpts[n]}"\ndevice = "{args.device}"\nretention = "cached"\n'
+            models += (f'[[models]]\nname = "n{n}"\npath = "{ckpts[n]}"\ndevice = "{args.device}"\n'
+                       'retention = "cached"\n')
         sock = root / "wcd.sock"
         budget = f'budget = {{ "{args.device}" = "90%" }}\n' if gpu else ""
         (root / "wcd.toml").write_text(f'[daemon]\nsocket = "{sock}"\n{budget}{models}')
@@ -196,8 +197,9 @@ def main() -> None:
                         pass
             for n in counts:
                 dump = root / f"ipc-{n}.pickle"
-                producer = subprocess.Popen([sys.executable, "-c", _IPC_PRODUCER, args.device, str(ckpts[n]), str(dump)],
-                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=str(REPO))
+                cmd = [sys.executable, "-c", _IPC_PRODUCER, args.device, str(ckpts[n]), str(dump)]
+                producer = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                            cwd=str(REPO))
                 try:
                     if producer.stdout is None or producer.stdout.readline().strip() != "ready":
                         raise SystemExit("IPC producer failed")

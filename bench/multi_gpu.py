@@ -137,12 +137,13 @@ def main() -> None:
                            "per_gpu_gb_per_s": [nbytes / para[f"rank{i}"] / 1e9 for i in range(n)]}
         keys = {e["name"]: e["key"] for e in admin.list()}
         clients = []
+        pythonpath = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
         for i in range(n):
-            env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible[i].uuid, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible[i].uuid, "PYTHONPATH": pythonpath}
             clients.append(subprocess.Popen([sys.executable, "-c", _CLIENT, str(sock), json.dumps(keys[f"rank{i}"]),
                                              str(ckpt)], env=env, stdout=subprocess.PIPE, text=True))
         res["clients"] = [json.loads(p.communicate(timeout=300)[0]) for p in clients]
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible[0].uuid, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible[0].uuid, "PYTHONPATH": pythonpath}
         wrong = subprocess.run([sys.executable, "-c", _CLIENT, str(sock), json.dumps(keys["rank1"]), str(ckpt)],
                                env=env, capture_output=True, text=True, timeout=300)
         res["cross_device"] = json.loads(wrong.stdout)

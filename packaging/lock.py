@@ -21,9 +21,10 @@ import re
 import subprocess
 import sys
 import tempfile
-import tomllib
 import urllib.request
 from pathlib import Path
+
+import tomllib
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

@@ -2,7 +2,7 @@
 
 No I/O and no asyncio: time comes from an injected clock, arenas are opaque handles the cache
 never touches. Operations that free memory return the entries they dropped; the caller (the
-server) closes their arenas. Theory of operation:
+`wcd.residency`) closes their arenas. Theory of operation:
 
 - An entry is admitted against its device's budget, evicting least-recently-used candidates
   (`cached`/`ephemeral`, `ready`, no leases) if needed; otherwise `OutOfMemory`.
@@ -21,14 +21,15 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from wcd.errors import BadRequest, Busy, KeyMismatch, LeaseExpired, NotFound, OutOfMemory
 from wcd.config import format_size
+from wcd.errors import BadRequest, Busy, KeyMismatch, LeaseExpired, NotFound, OutOfMemory
 from wcd.key import WeightCacheKey
 from wcd.manifest import Manifest
 
 State = Literal["loading", "filling", "ready", "evicting"]
 Retention = Literal["pinned", "cached", "ephemeral"]
 LeaseKind = Literal["read", "fill"]
+Origin = Literal["config", "load", "publish"]
 
 
 @dataclass(eq=False)
@@ -49,12 +50,12 @@ class Entry:
     manifest: Manifest
     nbytes: int  # arena bytes charged against the device budget
     retention: Retention
-    origin: Literal["config", "load", "publish"]
+    origin: Origin
     state: State
     created_at: float
     last_used: float
     leases: dict[int, Lease] = field(default_factory=dict)
-    arena: Any = None  # opaque to the cache: the server's arena handle
+    arena: Any = None  # opaque to the cache: the arena residency allocated
     done_bytes: int = 0  # load progress
     acquires: int = 0
     notes: list[str] = field(default_factory=list)  # shown in status, e.g. "checkpoint missing"
@@ -86,7 +87,8 @@ class Entry:
 
 
 class Cache:
-    def __init__(self, budgets: dict[str, int], lease_ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, budgets: dict[str, int], lease_ttl_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.budgets = dict(budgets)
         self.lease_ttl_s = lease_ttl_s
         self.clock = clock
@@ -129,7 +131,7 @@ class Cache:
 
     def admit(
         self, name: str, key: WeightCacheKey, manifest: Manifest, nbytes: int, retention: Retention,
-        origin: Literal["config", "load", "publish"],
+        origin: Origin,
     ) -> tuple[Entry, list[Entry]]:
         """Create an entry (state `loading`, or `filling` for publishes) charged to its device.
 
@@ -172,8 +174,9 @@ class Cache:
         if free < nbytes:
             held = self.used(device) - sum(e.nbytes for e in candidates)
             raise OutOfMemory(
-                f"{format_size(nbytes)} does not fit on {device}: budget {format_size(budget)}, {format_size(held)} held by pinned, "
-                f"leased or loading entries; evict something (wcdctl evict) or raise the budget",
+                f"{format_size(nbytes)} does not fit on {device}: budget {format_size(budget)}, "
+                f"{format_size(held)} held by pinned, leased or loading entries; "
+                "evict something (wcdctl evict) or raise the budget",
                 {"device": device, "need": nbytes, "budget": budget, "held": held},
             )
         return victims
@@ -205,6 +208,12 @@ class Cache:
 
     def load_failed(self, entry: Entry) -> list[Entry]:
         return [self._drop(entry)] if entry.name in self.entries and self.entries[entry.name] is entry else []
+
+    def cancel_loads(self) -> None:
+        """Mark every loading entry `evicting`, so its loader stops at the next chunk (shutdown)."""
+        for entry in self.entries.values():
+            if entry.state == "loading":
+                entry.state = "evicting"
 
     # -- leases -----------------------------------------------------------------------------
 
@@ -287,7 +296,8 @@ class Cache:
             return []
         if lease.kind == "fill" and entry.state in ("filling", "evicting"):
             return [self._drop(entry)]
-        if not entry.leases and (entry.state == "evicting" or (entry.retention == "ephemeral" and entry.state == "ready")):
+        unused = entry.state == "evicting" or (entry.retention == "ephemeral" and entry.state == "ready")
+        if not entry.leases and unused:
             return [self._drop(entry)]
         return []
 

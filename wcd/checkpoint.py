@@ -86,17 +86,17 @@ def read_header(file: Path) -> Header:
         if name == "__metadata__":
             continue
         try:
-            dtype, shape, (b, e) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+            dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
             nbytes = tensor_nbytes(name, dtype, shape)
         except WcdError as bad:
             raise LoadFailed(f"{file}: {bad.message}") from None
         except (KeyError, TypeError, ValueError):
             raise LoadFailed(f"{file}: tensor {name!r} has a malformed header entry") from None
-        if type(b) is not int or type(e) is not int or not 0 <= b <= e or e - b != nbytes:
-            raise LoadFailed(f"{file}: tensor {name!r}: data_offsets {[b, e]} do not match dtype and shape")
-        if data_start + e > file_size:
+        if type(begin) is not int or type(end) is not int or not 0 <= begin <= end or end - begin != nbytes:
+            raise LoadFailed(f"{file}: tensor {name!r}: data_offsets {[begin, end]} do not match dtype and shape")
+        if data_start + end > file_size:
             raise LoadFailed(f"{file}: tensor {name!r} extends past the end of the file (truncated?)")
-        tensors.append(StoredTensor(name, dtype, shape, data_start + b, data_start + e))
+        tensors.append(StoredTensor(name, dtype, shape, data_start + begin, data_start + end))
     tensors.sort(key=lambda t: t.begin)
     return Header(file, raw, data_start, file_size, tuple(tensors))
 

@@ -12,6 +12,7 @@ job), no torch until tensors are touched, and `WeightCacheKey` only where a call
 
 from __future__ import annotations
 
+import builtins
 import itertools
 import logging
 import os
@@ -132,7 +133,7 @@ class FillLease(Lease):
     def release(self) -> None:
         self.abort()
 
-    def __exit__(self, exc_type: object, *exc: object) -> None:
+    def __exit__(self, *exc: object) -> None:
         if not self.released:
             self.abort()
 
@@ -284,7 +285,7 @@ class Client:
                 return
             try:
                 data, anc, flags, _ = self.sock.recvmsg(256 * 1024, _ANC, socket.MSG_CMSG_CLOEXEC)
-            except socket.timeout:
+            except TimeoutError:
                 self._fail(DaemonUnavailable(f"no reply from the daemon at {self.path} within the timeout"))
             except OSError as e:
                 self._fail(DaemonUnavailable(f"connection to {self.path} lost ({e.strerror or e})"))
@@ -370,11 +371,11 @@ class Client:
     def status(self) -> dict[str, Any]:
         return self.request("status")
 
-    def list(self) -> list[dict[str, Any]]:
-        return self.request("list")["entries"]  # type: ignore[no-any-return]
+    def list(self) -> builtins.list[dict[str, Any]]:
+        return self.request("list")["entries"]
 
-    def list_leases(self) -> list[dict[str, Any]]:
-        return self.request("leases")["leases"]  # type: ignore[no-any-return]
+    def list_leases(self) -> builtins.list[dict[str, Any]]:
+        return self.request("leases")["leases"]
 
     def metrics(self) -> str:
         return str(self.request("metrics")["text"])
@@ -388,7 +389,7 @@ class Client:
             fields["device"] = device
         if retention is not None:
             fields["retention"] = retention
-        return self.request("load", **fields)["entry"]  # type: ignore[no-any-return]
+        return self.request("load", **fields)["entry"]
 
     def evict(self, target: str | WeightCacheKey) -> dict[str, Any]:
         return self.request("evict", **_target(target))

@@ -8,12 +8,14 @@ counter the event loop reads; cancellation is checked between chunks.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from wcd.arenas.base import Arena
 from wcd.checkpoint import Checkpoint, CopyOp
@@ -23,6 +25,12 @@ from wcd.manifest import Manifest
 
 class Cancelled(Exception):
     """The load was cancelled (the entry was evicted while loading)."""
+
+
+class ProgressSink(Protocol):
+    """Where a load reports the bytes it copied; `add` is called from several worker threads."""
+
+    def add(self, n: int) -> None: ...
 
 
 @dataclass
@@ -41,7 +49,7 @@ def default_workers() -> int:
 
 
 def fill_arena(
-    arena: Arena, checkpoint: Checkpoint, ops: list[CopyOp], progress: Progress,
+    arena: Arena, checkpoint: Checkpoint, ops: list[CopyOp], progress: ProgressSink,
     cancelled: Callable[[], bool] = lambda: False, workers: int | None = None,
 ) -> None:
     """Blocking: run every copy op, `workers` at a time. Call it from a thread, never the loop."""
@@ -107,8 +115,12 @@ def digest_checkpoint(checkpoint: Checkpoint) -> dict[str, str]:
     for h in checkpoint.headers:
         fd = os.open(h.file, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            out.update(_digest_ranges(lambda off, n: os.pread(fd, n, off),
+            out.update(_digest_ranges(functools.partial(_pread, fd),
                                       [(t.name, t.begin, t.end - t.begin) for t in h.tensors]))
         finally:
             os.close(fd)
     return out
+
+
+def _pread(fd: int, offset: int, nbytes: int) -> bytes:
+    return os.pread(fd, nbytes, offset)

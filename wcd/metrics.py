@@ -1,26 +1,36 @@
 """Prometheus metrics for the `metrics` op, in the text exposition format (prometheus-client).
 
-Gauges are read from the server's state at scrape time (a custom collector), so nothing is
-kept twice; only request latencies and load throughput are recorded as they happen.
+Gauges are read at scrape time from a read-only view of the daemon's state (`StateView`, a
+custom collector), so nothing is kept twice; only request latencies and load throughput are
+recorded as they happen. Must not import the server or change the state it reads.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Collection, Iterator
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
-    from wcd.server import Server
+    from wcd.cache import Cache
 
 _BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25, 1.0, 5.0, 30.0)
 
 
+class StateView(Protocol):
+    """What the gauges read (`wcd.state.ServerState` is one)."""
+
+    @property
+    def cache(self) -> Cache: ...
+
+    @property
+    def connections(self) -> Collection[object]: ...
+
+
 class Metrics:
-    def __init__(self, server: Server) -> None:
-        self.server = server
+    def __init__(self, state: StateView) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.requests = Histogram("wcd_request_duration_seconds", "Request handling time by op", ["op"],
                                   buckets=_BUCKETS, registry=self.registry)
@@ -28,7 +38,7 @@ class Metrics:
                                   registry=self.registry)
         self.load_seconds = Counter("wcd_load_seconds", "Time spent loading checkpoints", ["device"],
                                     registry=self.registry)
-        self.registry.register(_StateCollector(server))
+        self.registry.register(_StateCollector(state))
         self._by_op: dict[object, Histogram] = {}
 
     def observe(self, op: object, seconds: float) -> None:
@@ -54,11 +64,11 @@ def _known_ops() -> tuple[str, ...]:
 
 
 class _StateCollector:
-    def __init__(self, server: Server) -> None:
-        self.server = server
+    def __init__(self, state: StateView) -> None:
+        self.state = state
 
     def collect(self) -> Iterator[Metric]:
-        cache = self.server.cache
+        cache = self.state.cache
         budget = GaugeMetricFamily("wcd_device_budget_bytes", "Configured budget per device", labels=["device"])
         used = GaugeMetricFamily("wcd_device_used_bytes", "Bytes held by wcd per device", labels=["device"])
         for device, size in cache.budgets.items():
@@ -74,7 +84,7 @@ class _StateCollector:
         yield used
         yield states
         yield leases
-        yield GaugeMetricFamily("wcd_connections", "Open client connections", value=len(self.server.connections))
+        yield GaugeMetricFamily("wcd_connections", "Open client connections", value=len(self.state.connections))
         yield CounterMetricFamily("wcd_lease_expiries", "Leases ended by missed heartbeats",
                                   value=cache.stats["lease_expiries"])
         yield CounterMetricFamily("wcd_evictions", "Entries evicted", value=cache.stats["evictions"])

@@ -11,10 +11,11 @@ from __future__ import annotations
 import fcntl
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import cast
 
 import msgpack
 
+from wcd.cache import Entry, Origin, Retention
 from wcd.errors import BadRequest
 from wcd.key import WeightCacheKey
 from wcd.manifest import Manifest
@@ -30,8 +31,8 @@ class ParkedEntry:
     name: str
     key: WeightCacheKey
     manifest: Manifest
-    retention: str
-    origin: str
+    retention: Retention
+    origin: Origin
     arena_kind: str
     arena_size: int
 
@@ -42,8 +43,8 @@ def fd_names(key: WeightCacheKey) -> tuple[str, str]:
     return stem + ARENA_SUFFIX, stem + RECORD_SUFFIX
 
 
-def record_memfd(entry: Any) -> int:
-    """A sealed memfd holding the park record of `entry` (a `wcd.cache.Entry` with an arena)."""
+def record_memfd(entry: Entry) -> int:
+    """A sealed memfd holding the park record of `entry` (which has an arena)."""
     body = msgpack.packb({
         "v": RECORD_VERSION, "name": entry.name, "key": entry.key.model_dump(),
         "manifest": entry.manifest.to_wire(), "retention": entry.retention, "origin": entry.origin,
@@ -75,8 +76,8 @@ def parse_record(fd: int) -> ParkedEntry:
         arena = rec["arena"]
         parked = ParkedEntry(
             name=str(rec["name"]), key=WeightCacheKey.model_validate(rec["key"]),
-            manifest=Manifest.from_wire(rec["manifest"]), retention=str(rec["retention"]),
-            origin=str(rec["origin"]), arena_kind=str(arena["kind"]), arena_size=int(arena["size"]),
+            manifest=Manifest.from_wire(rec["manifest"]), retention=cast(Retention, str(rec["retention"])),
+            origin=cast(Origin, str(rec["origin"])), arena_kind=str(arena["kind"]), arena_size=int(arena["size"]),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise BadRequest(f"record is incomplete ({e})") from None

@@ -9,14 +9,31 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StringConstraints, TypeAdapter, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StringConstraints,
+    TypeAdapter,
+    ValidationError,
+)
 
 from wcd.errors import BadRequest
 from wcd.key import WeightCacheKey
 from wcd.manifest import MAX_NAME_LEN, MAX_NDIM, MAX_TENSORS
 from wcd.wire import (  # noqa: F401 - the daemon's one import for the protocol
-    MAX_FDS_PER_FRAME, MAX_FRAME_BYTES, MAX_LEASES_PER_HEARTBEAT, PROTOCOL_VERSION, SUPPORTED_VERSIONS,
-    FrameDecoder, encode, error, fds_from_ancillary, ok,
+    MAX_FDS_PER_FRAME,
+    MAX_FRAME_BYTES,
+    MAX_LEASES_PER_HEARTBEAT,
+    PROTOCOL_VERSION,
+    SUPPORTED_VERSIONS,
+    FrameDecoder,
+    encode,
+    error,
+    fds_from_ancillary,
+    ok,
 )
 
 Name = Annotated[str, StringConstraints(min_length=1, max_length=256)]
@@ -129,7 +146,8 @@ class Metrics(_Req):
 
 _REQUESTS = (Hello, Ping, Status, ListEntries, Leases, Acquire, Heartbeat, Release, Reserve, Commit,
              Abort, Load, Evict, Verify, Metrics)
-Request = Annotated[Union[_REQUESTS], Field(discriminator="op")]  # type: ignore[valid-type]
+# Union over the tuple's members: the `X | Y` form cannot spread a tuple.
+Request = Annotated[Union[_REQUESTS], Field(discriminator="op")]  # type: ignore[valid-type]  # noqa: UP007
 _REQUEST: TypeAdapter[Any] = TypeAdapter(Request)
 OPS: tuple[str, ...] = tuple(m.model_fields["op"].annotation.__args__[0] for m in _REQUESTS)  # type: ignore[union-attr]
 

@@ -34,6 +34,13 @@ START_TIMEOUT_S = 420
 TIMINGS: list[dict[str, Any]] = []
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # pyproject.toml makes every warning an error. The engines' venv raises one that is not ours:
+    # torch's own torch.utils.mkldnn (imported through torch.fx.experimental.optimization when vLLM
+    # compiles) uses the deprecated torch.jit.script_method. Scoped to this folder's runs.
+    config.addinivalue_line("filterwarnings", "ignore:.*torch\\.jit\\.script_method:DeprecationWarning")
+
+
 
 def terminate(proc: subprocess.Popen[Any]) -> None:
     """SIGTERM, then SIGKILL after 30 s."""

@@ -57,7 +57,8 @@ def test_minilm_embeddings_identical_and_zero_copy(daemon, minilm):
 
 
 def test_smollm2_logits_and_greedy_tokens_identical_tied_embeddings(daemon, smollm2):
-    disk = _timed("transformers from disk", "smollm2", lambda: AutoModelForCausalLM.from_pretrained(str(smollm2)).eval())
+    disk = _timed("transformers from disk", "smollm2",
+                  lambda: AutoModelForCausalLM.from_pretrained(str(smollm2)).eval())
     model = _timed("transformers via wcd", "smollm2",
                    lambda: from_pretrained(AutoModelForCausalLM, smollm2, socket=daemon.socket))
     assert model._wcd["path"] == "attach" and model._wcd["entry"] == "smollm2"

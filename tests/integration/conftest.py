@@ -94,7 +94,8 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-identical: dtype, shape and every byte."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    return a.numel() == 0 or torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+    return a.numel() == 0 or torch.equal(a.contiguous().view(-1).view(torch.uint8),
+                                         b.contiguous().view(-1).view(torch.uint8))
 
 
 def sparse_checkpoint(path: Path, nbytes: int) -> Path:

@@ -134,6 +134,8 @@ time.sleep(60)
                 c.acquire(WeightCacheKey(model="half"))
     finally:
         proc.kill()
+        proc.wait()
+        proc.stdout.close()
 
 
 def _raw(d) -> socket.socket:
@@ -160,7 +162,7 @@ def _closed(s: socket.socket) -> bool:
         while s.recv(65536):
             pass
         return True
-    except (ConnectionResetError, socket.timeout):
+    except (TimeoutError, ConnectionResetError):
         return False
 
 
@@ -173,17 +175,20 @@ def test_malformed_and_oversize_frames_get_errors_and_daemon_keeps_serving(make_
         reply = _read_reply(s)
         assert reply["ok"] is False and reply["error"]["code"] == "protocol_error"
         assert _closed(s)
+        s.close()
         # Oversize length prefix: refused before the body is read.
         s = _raw(d)
         s.sendall(struct.pack(">I", protocol.MAX_FRAME_BYTES + 1))
         reply = _read_reply(s)
         assert reply["error"]["code"] == "protocol_error" and "exceeds" in reply["error"]["message"]
         assert _closed(s)
+        s.close()
         # A valid frame that is not a map.
         s = _raw(d)
         body = msgpack.packb([1, 2, 3])
         s.sendall(struct.pack(">I", len(body)) + body)
         assert _read_reply(s)["error"]["code"] == "protocol_error"
+        s.close()
         # Requests before hello, unknown ops and bad fields: error replies, connection stays usable.
         s = _raw(d)
         s.sendall(protocol.encode({"op": "ping", "id": 1}))

@@ -303,7 +303,7 @@ echo "enabled: $(find /etc/systemd/system -name 'wcd@*' | wc -l)"
 python3 -sP -c 'import sys; sys.path.insert(0, "/usr/lib/wcd"); import cuda.bindings.driver, wcd.arenas.cuda; print("cuda: ok")'
 dpkg --purge wcd-cuda wcd >/tmp/debs/purge.log 2>&1 || { cat /tmp/debs/purge.log; exit 1; }
 echo "purged: $(ls -A /usr/lib/wcd /etc/wcd /usr/bin/wcd /usr/bin/wcdctl 2>/dev/null | wc -l)"
-"""
+"""  # noqa: E501 (shell, as run in the chroot)
 
 CHROOT_EXPECTED = """install ok installed
 install ok installed
@@ -340,8 +340,8 @@ def throwaway_root(tmp_path: Path) -> Iterator[tuple[list[str], Path]]:
     probe = run("unshare", "--mount", "--propagation", "private", "sh", "-c", f"{setup} && echo ok", check=False)
     if probe.returncode != 0 or probe.stdout.strip() != "ok":
         pytest.skip(f"cannot mount an overlay of / here: {probe.stderr.strip()[-300:]}")
-    yield ["unshare", "--mount", "--propagation", "private", "sh", "-c", f'{setup} && exec chroot {merged} sh -c "$0"'], \
-        layers / "upper/tmp/debs"
+    chroot = f'{setup} && exec chroot {merged} sh -c "$0"'
+    yield ["unshare", "--mount", "--propagation", "private", "sh", "-c", chroot], layers / "upper/tmp/debs"
 
 
 def test_dpkg_install_into_throwaway_root(debs: Debs, throwaway_root: tuple[list[str], Path]) -> None:

@@ -223,7 +223,7 @@ def site(root: Path) -> Path:
 
 
 def _host_python(pyver: str) -> str:
-    if "%d.%d" % sys.version_info[:2] == pyver:
+    if "{}.{}".format(*sys.version_info[:2]) == pyver:
         return sys.executable
     for candidate in (f"/usr/bin/python{pyver}", shutil.which(f"python{pyver}")):
         if candidate and Path(candidate).exists() and subprocess.run(
@@ -242,7 +242,7 @@ def _run_host(cmd: list[str], timeout: float) -> None:
 
 def _readable(path: Path) -> None:
     """World-readable (the daemon runs as user wcd inside), whatever umask built it."""
-    for dirpath, dirnames, filenames in os.walk(path):
+    for dirpath, _dirnames, filenames in os.walk(path):
         os.chmod(dirpath, 0o755)
         for f in filenames:
             p = os.path.join(dirpath, f)
@@ -257,7 +257,7 @@ def stage(dest: Path, pyver: str) -> Path:
     shutil.copytree(REPO / "systemd", dest / "systemd")
     for script in ("checker.py", "setup-container.sh"):
         shutil.copy(HERE / script, dest / script)
-    if "%d.%d" % sys.version_info[:2] == pyver:  # same bytecode format: spare every start a compile
+    if "{}.{}".format(*sys.version_info[:2]) == pyver:  # same bytecode format: spare every start a compile
         compileall.compile_dir(dest / "lib", quiet=2)
     _readable(dest)
     return dest

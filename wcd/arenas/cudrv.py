@@ -104,7 +104,8 @@ class Driver:
         try:
             lib = ctypes.CDLL(library)
         except OSError as e:
-            raise Internal(f"CUDA driver not available ({e}); install the NVIDIA driver or use device \"cpu\"") from None
+            raise Internal(f"CUDA driver not available ({e}); install the NVIDIA driver or use device \"cpu\"") \
+                from None
         self._fn: dict[str, Any] = {}
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(lib, name, None)

@@ -1,0 +1,281 @@
+"""The request handlers, one small function per op, and `OPS`, the table that maps op names to schema + handler.
+
+`dispatch` validates a decoded message (`protocol.parse_request`), enforces hello-first and the
+per-connection limit on requests in flight, runs the handler and turns its failure into an error
+reply. Handlers take cache decisions from `wcd.cache` and leave every arena operation to
+`wcd.residency`: they must not do arena I/O themselves, nor touch sockets beyond `Connection.send`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import inspect
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from wcd import __version__, protocol
+from wcd.arenas import backend_for
+from wcd.cache import Lease
+from wcd.config import format_size
+from wcd.connection import Connection, close_fds
+from wcd.errors import BadRequest, Busy, Internal, NotFound, PermissionDenied, UnsupportedVersion, WcdError
+from wcd.key import HOST_DEVICE
+from wcd.manifest import Manifest
+from wcd.metrics import Metrics
+from wcd.residency import Residency
+from wcd.state import ServerState
+
+log = logging.getLogger("wcd")
+
+MAX_INFLIGHT = 64  # concurrent slow requests (acquire, load, ...) per connection
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a handler works with."""
+
+    state: ServerState
+    residency: Residency
+    metrics: Metrics
+
+
+# -- answered at once, on the loop ----------------------------------------------------------
+
+
+def hello(ctx: Context, conn: Connection, req: protocol.Hello) -> None:
+    common = sorted(set(req.versions) & set(protocol.SUPPORTED_VERSIONS))
+    if not common:
+        raise UnsupportedVersion(
+            f"client speaks protocol {req.versions}, daemon speaks {list(protocol.SUPPORTED_VERSIONS)}: "
+            "upgrade the older side")
+    conn.hello, conn.client, conn.version = True, req.client, common[-1]
+    gpus = any(d != HOST_DEVICE for d in ctx.state.cache.budgets)
+    conn.send(protocol.ok(
+        req.id, version=common[-1], server=f"wcd {__version__}", instance=ctx.state.instance,
+        features=["host-arenas", "publish", "verify", "metrics"] + (["cuda-arenas"] if gpus else []),
+        lease_ttl_s=ctx.state.config.daemon.lease_ttl_s, pid=os.getpid(),
+        peer={"pid": conn.pid, "uid": conn.uid, "gid": conn.gid}))
+
+
+def ping(ctx: Context, conn: Connection, req: protocol.Ping) -> None:
+    conn.send(protocol.ok(req.id))
+
+
+def status(ctx: Context, conn: Connection, req: protocol.Status) -> None:
+    state, cache = ctx.state, ctx.state.cache
+    devices = []
+    for device, budget in cache.budgets.items():
+        info = backend_for(device).info(device)
+        devices.append({"device": device, "name": info.name, "total": info.total, "free": info.free,
+                        "budget": budget, "used": cache.used(device)})
+    entries = [e.describe() for e in cache.entries.values()]
+    conn.send(protocol.ok(
+        req.id, version=__version__, instance=state.instance, pid=os.getpid(),
+        uptime_s=time.time() - state.started_at, socket=state.where, lease_ttl_s=cache.lease_ttl_s,
+        devices=devices, entries=entries, leases=len(cache.leases), connections=len(state.connections),
+        loading=[e["name"] for e in entries if e["state"] == "loading"], counters=dict(cache.stats)))
+
+
+def list_entries(ctx: Context, conn: Connection, req: protocol.ListEntries) -> None:
+    conn.send(protocol.ok(req.id, entries=[e.describe() for e in ctx.state.cache.entries.values()]))
+
+
+def leases(ctx: Context, conn: Connection, req: protocol.Leases) -> None:
+    cache = ctx.state.cache
+    now = cache.clock()
+    conn.send(protocol.ok(req.id, leases=[
+        {"id": lease.id, "entry": lease.entry.name, "kind": lease.kind, "pid": lease.pid, "uid": lease.uid,
+         "expires_in_s": round(lease.expires_at - now, 3) if math.isfinite(lease.expires_at) else None}
+        for lease in cache.leases.values()]))
+
+
+def heartbeat(ctx: Context, conn: Connection, req: protocol.Heartbeat) -> None:
+    conn.send(protocol.ok(req.id, lost=ctx.state.cache.heartbeat(conn, req.leases)))
+
+
+def release(ctx: Context, conn: Connection, req: protocol.Release) -> None:
+    ctx.residency.reclaim(ctx.state.cache.release(conn, req.lease))
+    conn.send(protocol.ok(req.id))
+
+
+def abort(ctx: Context, conn: Connection, req: protocol.Abort) -> None:
+    ctx.residency.reclaim(ctx.state.cache.abort(conn, req.lease))
+    conn.send(protocol.ok(req.id))
+
+
+def evict(ctx: Context, conn: Connection, req: protocol.Evict) -> None:
+    entry = ctx.state.cache.find(ctx.residency.resolve(req.target()))
+    dropped = ctx.residency.evict(entry)
+    conn.send(protocol.ok(req.id, entry=entry.name, state="evicted" if dropped else entry.state,
+                          leases=len(entry.leases)))
+
+
+def metrics(ctx: Context, conn: Connection, req: protocol.Metrics) -> None:
+    conn.send(protocol.ok(req.id, text=ctx.metrics.render()))
+
+
+# -- may wait (for a load, a thread, a digest): each runs as a task of its connection ---------
+
+
+async def acquire(ctx: Context, conn: Connection, req: protocol.Acquire) -> None:
+    entry = ctx.state.cache.find(ctx.residency.resolve(req.target()))
+    if entry.state in ("loading", "filling"):
+        if not req.wait:
+            raise Busy(f"entry {entry.name!r} is {entry.state}", {"state": entry.state})
+        entry = await ctx.residency.wait_ready(entry, req.timeout_s)
+    if not entry.manifest.wire_ready(conn.version):  # once per entry and version: 10^5 tensors take a while
+        await asyncio.to_thread(entry.manifest.wire, conn.version)
+        if ctx.state.cache.entries.get(entry.name) is not entry:
+            raise NotFound(f"entry {entry.name!r} was evicted while it was being acquired")
+    _send_lease(ctx, conn, req.id, ctx.state.cache.acquire(entry, conn, conn.pid, conn.uid))
+
+
+async def reserve(ctx: Context, conn: Connection, req: protocol.Reserve) -> None:
+    key = req.key.model_copy(update={"device": ctx.residency.canonical_device(req.key.device)})
+    manifest = await asyncio.to_thread(_reserved_manifest, req.tensors, conn.version)
+    name = f"{key.model}#{key.digest()[:8]}"
+    lease = await ctx.residency.reserve(name, key, manifest, req.retention, conn, conn.pid, conn.uid)
+    if lease is not None:  # None: the publisher vanished meanwhile
+        _send_lease(ctx, conn, req.id, lease)
+
+
+async def commit(ctx: Context, conn: Connection, req: protocol.Commit) -> None:
+    entry = await ctx.residency.commit(conn, req.lease)
+    log.info("published %s (%s, %d tensors, pid %d)", entry.name, format_size(entry.manifest.nbytes),
+             len(entry.manifest.tensors), conn.pid)
+    conn.send(protocol.ok(req.id, entry=entry.name))
+
+
+async def load(ctx: Context, conn: Connection, req: protocol.Load) -> None:
+    if req.path is None:
+        model = next((m for m in ctx.state.config.models if m.name == req.name), None)
+        if model is None:
+            raise NotFound(f"no configured model named {req.name!r}; give a path to load an unconfigured one")
+        path, device, retention = model.path, req.device or model.device, req.retention or model.retention
+    else:
+        if conn.uid not in (0, os.getuid()):
+            raise PermissionDenied("loading an arbitrary path needs root or the daemon's own user; "
+                                   "configure the model instead")
+        path, device, retention = Path(req.path), req.device or HOST_DEVICE, req.retention or "cached"
+    entry = ctx.state.cache.entries.get(req.name)
+    if entry is None:
+        entry = await ctx.residency.admit_load(req.name, path, device, retention, "load")
+        task = ctx.residency.start_fill(entry)
+        if req.wait:
+            await asyncio.shield(task)
+    elif req.wait:
+        await ctx.residency.wait_ready(entry, 24 * 3600)
+    conn.send(protocol.ok(req.id, entry=entry.describe()))
+
+
+async def verify(ctx: Context, conn: Connection, req: protocol.Verify) -> None:
+    entry = ctx.state.cache.find(ctx.residency.resolve(req.target()))
+    actual, expected, source = await ctx.residency.verify(entry)
+    mismatched = sorted(n for n in set(actual) | set(expected) if actual.get(n) != expected.get(n))
+    total = hashlib.blake2b(digest_size=16)
+    for name in sorted(actual):
+        total.update(name.encode() + b"\0" + bytes.fromhex(actual[name]))
+    conn.send(protocol.ok(req.id, entry=entry.name, match=not mismatched, against=source,
+                          digest=total.hexdigest(), tensors=len(actual), mismatched=mismatched[:50]))
+
+
+def _reserved_manifest(rows: list[tuple[str, str, list[int]]], version: int) -> Manifest:
+    """The layout of a reserve and the wire form its publisher gets (a while for 10^5 tensors)."""
+    manifest = Manifest.build(rows)
+    manifest.wire(version)
+    return manifest
+
+
+def _send_lease(ctx: Context, conn: Connection, req_id: int, lease: Lease) -> None:
+    entry, arena = lease.entry, lease.entry.arena
+    conn.send(protocol.ok(
+        req_id, lease=lease.id, kind=lease.kind, entry=entry.name, key=entry.key.model_dump(),
+        manifest=entry.manifest.wire(conn.version), ttl_s=ctx.state.cache.lease_ttl_s,
+        arena={"kind": arena.kind, "size": arena.size, "device": arena.device}), [arena.fd()])
+
+
+# -- the dispatch table -----------------------------------------------------------------------
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class Op(Generic[R]):
+    """An op's request schema and its handler; a coroutine handler runs as a task (`slow`)."""
+
+    schema: type[R]
+    handler: Callable[[Context, Connection, R], Any]
+
+    @property
+    def slow(self) -> bool:
+        return inspect.iscoroutinefunction(self.handler)
+
+
+OPS: dict[str, Op[Any]] = {
+    "hello": Op(protocol.Hello, hello),
+    "ping": Op(protocol.Ping, ping),
+    "status": Op(protocol.Status, status),
+    "list": Op(protocol.ListEntries, list_entries),
+    "leases": Op(protocol.Leases, leases),
+    "heartbeat": Op(protocol.Heartbeat, heartbeat),
+    "release": Op(protocol.Release, release),
+    "abort": Op(protocol.Abort, abort),
+    "evict": Op(protocol.Evict, evict),
+    "metrics": Op(protocol.Metrics, metrics),
+    "acquire": Op(protocol.Acquire, acquire),
+    "reserve": Op(protocol.Reserve, reserve),
+    "commit": Op(protocol.Commit, commit),
+    "load": Op(protocol.Load, load),
+    "verify": Op(protocol.Verify, verify),
+}
+
+
+def dispatch(ctx: Context, conn: Connection, message: dict[str, Any], fds: list[int]) -> None:
+    """Answer one decoded message: at once, or from a task of the connection for slow ops."""
+    started = time.perf_counter()
+    req_id = message.get("id") if type(message.get("id")) is int else None
+    op = message.get("op")
+    try:
+        if fds:
+            close_fds(fds)
+            raise BadRequest("clients do not send file descriptors in protocol v1")
+        req = protocol.parse_request(message)
+        if not conn.hello and req.op != "hello":
+            raise BadRequest("the first request on a connection must be hello")
+        spec = OPS[req.op]
+        if not spec.slow:
+            spec.handler(ctx, conn, req)
+        elif len(conn.tasks) >= MAX_INFLIGHT:
+            raise Busy(f"more than {MAX_INFLIGHT} requests in flight on this connection")
+        else:
+            task = conn.loop.create_task(_run(ctx, conn, spec, req, started))
+            conn.tasks.add(task)
+            task.add_done_callback(conn.tasks.discard)
+            return
+    except Exception as e:
+        _reply_failure(conn, req_id, op, e)
+    ctx.metrics.observe(op, time.perf_counter() - started)
+
+
+async def _run(ctx: Context, conn: Connection, spec: Op[Any], req: Any, started: float) -> None:
+    try:
+        await spec.handler(ctx, conn, req)
+    except Exception as e:
+        _reply_failure(conn, req.id, req.op, e)
+    ctx.metrics.observe(req.op, time.perf_counter() - started)
+
+
+def _reply_failure(conn: Connection, req_id: int | None, op: object, exc: Exception) -> None:
+    """A handler's `WcdError` goes to the client as is; anything else is a bug: logged, `internal`."""
+    if isinstance(exc, WcdError):
+        conn.send(protocol.error(req_id, exc))
+    else:
+        log.error("%r: %s failed", conn, op, exc_info=exc)
+        conn.send(protocol.error(req_id, Internal("internal error; the daemon log has the traceback")))

@@ -1,0 +1,359 @@
+"""An entry's life in memory: admit -> fill -> ready -> park -> reclaim, and re-adoption after a restart.
+
+The one place that turns the cache's decisions (`wcd.cache`) into arena I/O: it allocates,
+fills, seals, digests and closes arenas (in worker threads, never on the loop), parks ready
+arenas in systemd's fd store and re-adopts them at start-up. Must not parse requests or touch
+client sockets; its background work runs in tasks the server owns (`spawn`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Coroutine, Iterable
+from pathlib import Path
+from typing import Any
+
+from wcd import parking, systemd
+from wcd.arenas import Arena, backend_for
+from wcd.cache import Entry, Lease, Origin, Retention
+from wcd.checkpoint import Checkpoint
+from wcd.config import Config, ModelConfig, format_size, parse_size
+from wcd.errors import BadRequest, Busy, LoadFailed, NotFound, WcdError
+from wcd.key import HOST_DEVICE, WeightCacheKey, fingerprint_checkpoint
+from wcd.loader import Cancelled, default_workers, digest_arena, digest_checkpoint, fill_arena
+from wcd.manifest import Manifest
+from wcd.metrics import Metrics
+from wcd.state import ServerState
+
+log = logging.getLogger("wcd")
+
+DEFAULT_BUDGET = {"cpu": "50%", "cuda": "90%"}
+Spawn = Callable[[Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]
+
+
+def device_budgets(config: Config) -> tuple[dict[str, int], dict[str, str]]:
+    """(budget per canonical device, configured name -> canonical id): configured budgets, every
+    model's device, and host memory."""
+    wanted: dict[str, int | str] = {HOST_DEVICE: DEFAULT_BUDGET["cpu"]}
+    for model in config.models:
+        wanted.setdefault(model.device, DEFAULT_BUDGET["cuda" if model.device != HOST_DEVICE else "cpu"])
+    wanted.update(config.daemon.budget)
+    budgets: dict[str, int] = {}
+    devices: dict[str, str] = {}
+    for device, size in wanted.items():
+        backend = backend_for(device)
+        canonical = backend.canonical(device)
+        devices[device] = canonical
+        budgets[canonical] = parse_size(size, backend.info(canonical).total)
+    return budgets, devices
+
+
+class Residency:
+    def __init__(self, state: ServerState, metrics: Metrics, spawn: Spawn) -> None:
+        self.state = state
+        self.cache = state.cache
+        self._metrics = metrics
+        self._spawn = spawn
+        self._ready: dict[str, asyncio.Event] = {}  # entry name -> set when it leaves loading/filling
+        self._digests: dict[str, asyncio.Future[dict[str, str]]] = {}  # published entries
+        self._checkpoints: dict[str, Checkpoint] = {}  # admitted, not yet filling
+        self._parked: set[str] = set()  # entries whose fds sit in the fd store
+
+    # -- devices ----------------------------------------------------------------------------
+
+    def canonical_device(self, device: str) -> str:
+        if device in self.state.devices:
+            return self.state.devices[device]
+        canonical = backend_for(device).canonical(device)
+        if canonical not in self.cache.budgets:
+            raise BadRequest(f"device {device!r} is not managed by this daemon (add a budget for it in the config)")
+        return canonical
+
+    def resolve(self, target: str | WeightCacheKey) -> str | WeightCacheKey:
+        """A request's target with a configured device name ("cuda:0") replaced by its canonical id."""
+        if isinstance(target, WeightCacheKey) and target.device in self.state.devices:
+            target = target.model_copy(update={"device": self.state.devices[target.device]})
+        return target
+
+    # -- loading ----------------------------------------------------------------------------
+
+    async def admit_configured(self, model: ModelConfig) -> None:
+        """Admit a configured model and start filling it in the background; failures are logged."""
+        if model.name in self.cache.entries:
+            return  # adopted from the fd store, or still leased after a reload changed it
+        try:
+            entry = await self.admit_load(model.name, model.path, model.device, model.retention, "config")
+        except WcdError as e:
+            log.error("cannot load %s: %s", model.name, e.message)
+            return
+        self.start_fill(entry)
+
+    async def admit_load(self, name: str, path: Path, device: str, retention: Retention, origin: Origin) -> Entry:
+        """Read the checkpoint's headers, fingerprint it, and admit an entry (state loading)."""
+        canonical = self.canonical_device(device)
+        ckpt = await asyncio.to_thread(Checkpoint.open, path)
+        fingerprint = await asyncio.to_thread(fingerprint_checkpoint, ckpt.path)
+        manifest = ckpt.manifest()
+        key = WeightCacheKey(model=name, path=str(ckpt.path), fingerprint=fingerprint, device=canonical)
+        nbytes = backend_for(canonical).arena_size(manifest.size, canonical)
+        entry, victims = self.cache.admit(name, key, manifest, nbytes, retention, origin)
+        self.reclaim(victims)
+        self._ready[name] = asyncio.Event()
+        self._checkpoints[name] = ckpt
+        return entry
+
+    def start_fill(self, entry: Entry) -> asyncio.Task[Entry]:
+        """Fill an admitted entry in the background; the task ends when it is ready (or failed)."""
+        return self._spawn(self._fill(entry))
+
+    async def _fill(self, entry: Entry) -> Entry:
+        """Allocate the entry's arena and copy the checkpoint in from worker threads, then make it ready."""
+        ckpt = self._checkpoints.pop(entry.name)
+        manifest = entry.manifest
+        log.info("loading %s: %s in %d tensors from %s to %s", entry.name, format_size(manifest.nbytes),
+                 len(manifest.tensors), ckpt.path, entry.device)
+        started = time.monotonic()
+        try:
+            entry.arena = await asyncio.to_thread(backend_for(entry.device).create, entry.device, entry.nbytes,
+                                                  entry.name)
+            await asyncio.to_thread(fill_arena, entry.arena, ckpt, ckpt.copy_plan(manifest), _EntryProgress(entry),
+                                    lambda: entry.state == "evicting",
+                                    self.state.config.daemon.load_workers or default_workers())
+            await asyncio.to_thread(entry.arena.seal)
+        except BaseException as e:
+            self.reclaim(self.cache.load_failed(entry))
+            if isinstance(e, Cancelled):
+                raise NotFound(f"loading {entry.name} was cancelled: the entry was evicted") from None
+            if isinstance(e, (WcdError, asyncio.CancelledError)):
+                raise
+            raise LoadFailed(f"loading {entry.name} failed: {e}") from e
+        seconds = time.monotonic() - started
+        self._metrics.loaded(entry.device, manifest.nbytes, seconds)
+        log.info("loaded %s in %.2f s (%.2f GB/s)", entry.name, seconds, manifest.nbytes / max(seconds, 1e-9) / 1e9)
+        self.reclaim(self.cache.loaded(entry))
+        self._set_ready(entry)
+        return entry
+
+    async def wait_ready(self, entry: Entry, timeout: float) -> Entry:
+        """Wait until `entry` leaves loading/filling; `Busy` after `timeout`, `NotFound` if it went away."""
+        event = self._ready.get(entry.name)
+        if event is not None:
+            try:
+                await asyncio.wait_for(event.wait(), timeout)
+            except asyncio.TimeoutError:
+                raise Busy(f"entry {entry.name!r} is still {entry.state} after {timeout:g} s") from None
+        if self.cache.entries.get(entry.name) is not entry:
+            raise NotFound(f"entry {entry.name!r} went away while loading (evicted or failed; see the daemon log)")
+        return entry
+
+    def _set_ready(self, entry: Entry) -> None:
+        event = self._ready.pop(entry.name, None)
+        if event is not None:
+            event.set()
+        self._park(entry)
+
+    # -- publishing -------------------------------------------------------------------------
+
+    async def reserve(self, name: str, key: WeightCacheKey, manifest: Manifest, retention: Retention,
+                      owner: Any, pid: int, uid: int) -> Lease | None:
+        """Admit a published entry and allocate its empty arena: the fill lease, or None if the
+        publisher went away meanwhile."""
+        backend = backend_for(key.device)
+        entry, lease, victims = self.cache.reserve(
+            name, key, manifest, backend.arena_size(manifest.size, key.device), retention, owner, pid, uid)
+        self.reclaim(victims)
+        self._ready[name] = asyncio.Event()
+        try:
+            arena: Arena = await asyncio.to_thread(backend.create, key.device, entry.nbytes, name)
+        except BaseException:
+            self.reclaim(self.cache.load_failed(entry))
+            raise
+        if self.cache.entries.get(name) is not entry:
+            arena.close()
+            return None
+        entry.arena = arena
+        return lease
+
+    async def commit(self, owner: Any, lease_id: int) -> Entry:
+        """Seal a filled arena and make its entry ready; `NotFound` if it was evicted while filling."""
+        lease = self.cache.leases.get(lease_id)
+        if lease is None or lease.owner is not owner or lease.kind != "fill":
+            self.cache.commit(owner, lease_id)  # raises the precise error
+        assert lease is not None
+        if lease.entry.state != "evicting":
+            # Sealing scans the arena's pages (~25 ms per GB): off the loop. Busy if the publisher
+            # still maps it writable; the lease stays, so it can drop its views and commit again.
+            await asyncio.to_thread(lease.entry.arena.seal)
+        entry, dropped = self.cache.commit(owner, lease_id)
+        if dropped:
+            self.reclaim(dropped)
+            raise NotFound(f"{entry.name} was evicted while it was being filled; nothing was published")
+        self._set_ready(entry)
+        self._digests[entry.name] = asyncio.ensure_future(
+            asyncio.to_thread(digest_arena, entry.arena, entry.manifest))
+        return entry
+
+    # -- verifying --------------------------------------------------------------------------
+
+    async def verify(self, entry: Entry) -> tuple[dict[str, str], dict[str, str], str]:
+        """(per-tensor digests of what is resident, what they should be, against what): the digest
+        taken at commit for published entries, the checkpoint on disk for the others."""
+        entry = await self.wait_ready(entry, 24 * 3600)
+        # The daemon's own hold on the arena while hashing: no heartbeats, so no expiry, and its
+        # own owner, so it ends here whatever happens to the connection.
+        holder = object()
+        lease = self.cache.acquire(entry, holder, os.getpid(), os.getuid(), ttl_s=math.inf)
+        try:
+            actual = await asyncio.to_thread(digest_arena, entry.arena, entry.manifest)
+            if entry.origin == "publish":
+                return actual, await asyncio.shield(self._digests[entry.name]), "digest at commit"
+            if not Path(entry.key.path).exists():
+                raise NotFound(f"{entry.key.path} is gone: nothing to verify {entry.name!r} against")
+            ckpt = await asyncio.to_thread(Checkpoint.open, entry.key.path)
+            return actual, await asyncio.to_thread(digest_checkpoint, ckpt), str(ckpt.path)
+        finally:
+            self.reclaim(self.cache.release(holder, lease.id))
+
+    # -- reclaiming -------------------------------------------------------------------------
+
+    def reclaim(self, entries: Iterable[Entry]) -> None:
+        """Entries the cache dropped: close their arenas (memory returns once clients unmap)."""
+        for entry in entries:
+            if entry.name in self._parked:
+                self._parked.discard(entry.name)
+                for name in parking.fd_names(entry.key):
+                    _unstore(name)
+            if entry.arena is not None:
+                # Closing the last reference frees the memory, ~0.3 s per GB: off the loop.
+                asyncio.get_running_loop().run_in_executor(None, entry.arena.close)
+                entry.arena = None
+            self._digests.pop(entry.name, None)
+            self._checkpoints.pop(entry.name, None)
+            event = self._ready.pop(entry.name, None)
+            if event is not None:
+                event.set()
+            log.info("reclaimed %s (%s on %s)", entry.name, format_size(entry.nbytes), entry.device)
+
+    def evict(self, entry: Entry) -> list[Entry]:
+        """Evict now, or once its leases end; returns what was dropped now."""
+        dropped = self.cache.evict(entry)
+        self.reclaim(dropped)
+        return dropped
+
+    async def expire_leases(self) -> None:
+        """Forever: end leases that missed their heartbeats and reclaim what they held."""
+        tick = min(1.0, self.state.config.daemon.lease_ttl_s / 10)
+        while True:
+            await asyncio.sleep(tick)
+            expired, dropped = self.cache.expire()
+            for lease in expired:
+                log.info("lease %d on %s (pid %d) expired: no heartbeat", lease.id, lease.entry.name, lease.pid)
+            self.reclaim(dropped)
+
+    # -- systemd's fd store: park and re-adopt ----------------------------------------------
+
+    def _park(self, entry: Entry) -> None:
+        """Put a ready entry's arena fd and its record into systemd's fd store (if there is one)."""
+        if not systemd.store_enabled() or entry.name in self._parked or entry.arena is None:
+            return
+        arena_name, record_name = parking.fd_names(entry.key)
+        try:
+            record = parking.record_memfd(entry)
+            try:
+                systemd.store_fds([entry.arena.fd()], arena_name)
+                systemd.store_fds([record], record_name)
+            finally:
+                os.close(record)
+        except (systemd.SystemdError, OSError, ValueError) as e:
+            log.warning("cannot park %s in systemd's fd store (%s): it will be reloaded after a restart",
+                        entry.name, e)
+            return
+        self._parked.add(entry.name)
+
+    async def adopt_parked(self, fds: list[tuple[int, str]]) -> None:
+        """Re-adopt arenas systemd kept for us; drop (and unstore) anything unknown, corrupt or stale."""
+        groups: dict[str, dict[str, int]] = {}
+        for fd, name in fds:
+            stem, dot, suffix = name.rpartition(".")
+            if dot and "." + suffix in (parking.ARENA_SUFFIX, parking.RECORD_SUFFIX):
+                groups.setdefault(stem, {})["." + suffix] = fd
+            else:
+                log.warning("fd store: dropping unknown fd %r", name)
+                os.close(fd)
+                _unstore(name)
+        for stem, parts in groups.items():
+            arena_fd = parts.pop(parking.ARENA_SUFFIX, None)
+            record_fd = parts.pop(parking.RECORD_SUFFIX, None)
+            try:
+                if arena_fd is None or record_fd is None:
+                    raise BadRequest("its arena or record is missing")
+                entry = await self._adopt(parking.parse_record(record_fd), arena_fd)
+                arena_fd = None  # the arena owns it now
+                log.info("adopted %s from systemd's fd store (%s on %s, no disk read)%s", entry.name,
+                         format_size(entry.nbytes), entry.device, f"; {entry.notes[0]}" if entry.notes else "")
+            except (WcdError, OSError) as e:
+                log.warning("fd store: dropping %s: %s", stem, getattr(e, "message", e))
+                for suffix in (parking.ARENA_SUFFIX, parking.RECORD_SUFFIX):
+                    _unstore(stem + suffix)
+            finally:
+                for leftover in (arena_fd, record_fd):
+                    if leftover is not None:
+                        os.close(leftover)
+
+    async def _adopt(self, rec: parking.ParkedEntry, arena_fd: int) -> Entry:
+        device = rec.key.device
+        if device not in self.cache.budgets:
+            raise BadRequest(f"device {device} is no longer configured")
+        notes = []
+        if rec.origin != "publish":
+            if Path(rec.key.path).exists():
+                fingerprint = await asyncio.to_thread(fingerprint_checkpoint, rec.key.path)
+                if fingerprint != rec.key.fingerprint:
+                    raise BadRequest(f"stale: {rec.key.path} changed since it was loaded")
+            else:
+                notes.append(f"checkpoint {rec.key.path} is missing: serving the copy kept across the restart")
+        backend = backend_for(device)
+        arena = backend.adopt(os.dup(arena_fd), device, rec.arena_size, rec.name)
+        try:
+            entry, victims = self.cache.admit(rec.name, rec.key, rec.manifest, arena.size, rec.retention, rec.origin)
+        except BaseException:
+            arena.close()
+            raise
+        os.close(arena_fd)
+        self.reclaim(victims)
+        entry.arena, entry.notes, entry.done_bytes = arena, notes, rec.manifest.nbytes
+        self.cache.loaded(entry)
+        self._parked.add(entry.name)  # systemd still holds the fds: never store them twice
+        return entry
+
+    # -- shutdown ---------------------------------------------------------------------------
+
+    def close(self) -> int:
+        """Close our descriptors without evicting: parked arenas stay in systemd's fd store for
+        the next start; the others' memory returns once clients unmap. Returns how many stay parked."""
+        for entry in self.cache.entries.values():
+            if entry.arena is not None:
+                entry.arena.close()
+        return sum(1 for name in self._parked if name in self.cache.entries)
+
+
+class _EntryProgress:
+    """Load progress written by loader threads, read by the loop (status)."""
+
+    def __init__(self, entry: Entry) -> None:
+        self.entry = entry
+
+    def add(self, n: int) -> None:
+        self.entry.done_bytes += n  # a racy += only undercounts progress transiently; fine for display
+
+
+def _unstore(name: str) -> None:
+    """Remove an fd from systemd's fd store; a failure is logged, never fatal."""
+    try:
+        systemd.remove_fds(name)
+    except (systemd.SystemdError, ValueError) as e:
+        log.warning("systemd: %s", e)
