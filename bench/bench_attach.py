@@ -198,15 +198,17 @@ def main() -> None:
             for n in counts:
                 dump = root / f"ipc-{n}.pickle"
                 cmd = [sys.executable, "-c", _IPC_PRODUCER, args.device, str(ckpts[n]), str(dump)]
-                producer = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                            cwd=str(REPO))
+                producer = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, text=True, cwd=str(REPO))
                 try:
-                    if producer.stdout is None or producer.stdout.readline().strip() != "ready":
-                        raise SystemExit("IPC producer failed")
+                    assert producer.stdout is not None and producer.stderr is not None
+                    ipc_ok = producer.stdout.readline().strip() == "ready"
+                    ipc_error = "" if ipc_ok else producer.stderr.read().strip().splitlines()[-1][:300]
                     runs: dict[str, list[dict[str, Any]]] = {"wcd": [], "ipc": [], "load_file": []}
                     for _ in range(args.reps):  # interleaved, so drift hits every method alike
                         runs["wcd"].append(consumer(_WCD, args.device, str(sock), f"n{n}", "5"))
-                        runs["ipc"].append(consumer(_IPC, args.device, str(dump)))
+                        if ipc_ok:
+                            runs["ipc"].append(consumer(_IPC, args.device, str(dump)))
                         runs["load_file"].append(consumer(_LOAD_FILE, args.device, str(ckpts[n])))
                 finally:
                     if producer.stdin:
@@ -214,7 +216,8 @@ def main() -> None:
                     producer.wait()
                     dump.unlink(missing_ok=True)
                 nbytes = sum(f.stat().st_size for f in ckpts[n].iterdir())
-                rows.append(summarize(n, nbytes, runs))
+                rows.append(summarize(n, nbytes, runs, ipc_error))
+                print(json.dumps(rows[-1]), flush=True)  # partial results survive a timeout
         finally:
             daemon.terminate()
             daemon.wait()
@@ -230,14 +233,15 @@ def med(runs: list[dict[str, Any]], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
 
-def summarize(n: int, nbytes: int, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+def summarize(n: int, nbytes: int, runs: dict[str, list[dict[str, Any]]], ipc_error: str) -> dict[str, Any]:
     w = runs["wcd"]
     for r in runs.values():
         assert all(x["tensors"] == n for x in r), "a method did not produce every tensor"
     row = {"tensors": n, "bytes": nbytes, "prelude_s": med(w, "prelude_s"),
            "wcd": {k: med(w, k) for k in ("import_s", "connect_s", "acquire_views_s", "total_s", "reacquire_s")},
            "wcd_total_all": [x["total_s"] for x in w],
-           "ipc_s": med(runs["ipc"], "total_s"), "ipc_all": [x["total_s"] for x in runs["ipc"]],
+           "ipc_s": med(runs["ipc"], "total_s") if runs["ipc"] else None,
+           "ipc_all": [x["total_s"] for x in runs["ipc"]], "ipc_error": ipc_error,
            "load_file_s": med(runs["load_file"], "total_s")}
     if "with_copy_s" in runs["load_file"][0]:
         row["load_file_copy_s"] = med(runs["load_file"], "with_copy_s")
@@ -252,10 +256,12 @@ def report(res: dict[str, Any]) -> str:
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["rows"]:
         w = r["wcd"]
+        ipc = ms(r["ipc_s"]) if r["ipc_s"] is not None else f"failed: {r['ipc_error'][:80]}"
+        ipc_ratio = f"{r['ipc_s'] / w['total_s']:.1f}x" if r["ipc_s"] is not None else "-"
         lf = ms(r["load_file_s"]) + (f" ({ms(r['load_file_copy_s'])} with copy)" if "load_file_copy_s" in r else "")
         lines.append(f"| {r['tensors']:,} | {r['bytes'] / 1e9:.1f} GB | {ms(w['import_s'])} | {ms(w['connect_s'])} | "
                      f"{ms(w['acquire_views_s'])} | **{ms(w['total_s'])}** | {ms(w['reacquire_s'])} | "
-                     f"{ms(r['ipc_s'])} | {lf} | {r['ipc_s'] / w['total_s']:.1f}x | "
+                     f"{ipc} | {lf} | {ipc_ratio} | "
                      f"{r['load_file_s'] / w['total_s']:.1f}x |")
     lines.append("")
     lines.append(f"(ms; not counted above: the engine's own `import torch`"
