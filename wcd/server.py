@@ -872,15 +872,6 @@ def _bind(path: Path, groups: list[str]) -> socket.socket:
     return sock
 
 
-def _is_listener(fd: int) -> bool:
-    try:
-        s = socket.socket(fileno=os.dup(fd))
-    except OSError:
-        return False
-    with s:
-        return s.family == socket.AF_UNIX and bool(s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
-
-
 def _close_all(fds: Iterable[int]) -> None:
     for fd in fds:
         try:
@@ -897,12 +888,7 @@ def run(config: Config, instance: str = "wcd", config_path: Path | None = None,
     """
     import uvloop
 
-    listen_fd, parked = None, []
-    for fd, name in passed_fds or []:
-        if name == systemd.SOCKET_NAME or (name == "unknown" and listen_fd is None and _is_listener(fd)):
-            listen_fd = fd
-        else:
-            parked.append((fd, name))
+    listen_fd, parked = systemd.split_listener(passed_fds or [])
 
     async def main() -> None:
         server = Server(config, instance, listen_fd, parked, config_path)

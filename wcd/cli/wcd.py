@@ -51,7 +51,7 @@ def serve_main(args: argparse.Namespace) -> int:
         passed = systemd.listen_fds()
         # After a restart with weights parked in systemd's fd store, a configured checkpoint may
         # be gone on purpose: the daemon serves the kept copy and flags it in status.
-        restarted = any(name != systemd.SOCKET_NAME for _, name in passed)
+        restarted = bool(systemd.split_listener(passed)[1])
         config = load_config(path, args.instance, check_paths=not restarted)
         if args.socket is not None:
             config.daemon.socket = args.socket
