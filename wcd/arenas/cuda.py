@@ -22,7 +22,7 @@ from typing import Any
 from cuda.bindings import driver as cuda
 
 from wcd.arenas.base import Arena, ArenaBackend, ArenaWriter, DeviceInfo
-from wcd.errors import BadRequest, Internal, OutOfMemory
+from wcd.errors import BadRequest, DeviceUnavailable, Internal, OutOfMemory
 from wcd.manifest import align_up
 
 POSIX_FD = cuda.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
@@ -34,6 +34,8 @@ STAGING_BUFFERS = 2  # per loader thread: read into one while the other is being
 _SUCCESS = cuda.CUresult.CUDA_SUCCESS
 _BAD_DEVICE = (cuda.CUresult.CUDA_ERROR_INVALID_DEVICE, cuda.CUresult.CUDA_ERROR_NO_DEVICE)
 _CUDA_N = re.compile(r"cuda(?::(\d+))?")
+# cuda-bindings 12.9 (the cuda extra's range) runs on R525 and later drivers.
+_DRIVER_HINT = "install the NVIDIA driver (R525 or later), or use device \"cpu\""
 
 
 def _check(result: tuple[Any, ...], what: str) -> Any:
@@ -84,10 +86,11 @@ def gpus() -> tuple[Gpu, ...]:
     try:
         err, = cuda.cuInit(0)
     except Exception as e:  # noqa: BLE001 - cuda-bindings raises its own loader errors without a driver
-        raise Internal(f"CUDA driver not available ({e}); install the NVIDIA driver or use device \"cpu\"") from None
+        raise DeviceUnavailable(f"CUDA driver not available ({e}); {_DRIVER_HINT}") from None
     if err == cuda.CUresult.CUDA_ERROR_NO_DEVICE:  # e.g. CUDA_VISIBLE_DEVICES=""
         return ()
-    _check((err,), "cuInit")
+    if err != _SUCCESS:  # no driver, one too old for these bindings, no /dev/nvidia* access, ...
+        raise DeviceUnavailable(f"CUDA driver not usable (cuInit: {getattr(err, 'name', err)}); {_DRIVER_HINT}")
     out = []
     for i in range(_check(cuda.cuDeviceGetCount(), "cuDeviceGetCount")):
         dev = _check(cuda.cuDeviceGet(i), "cuDeviceGet")
