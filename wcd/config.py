@@ -57,12 +57,23 @@ def parse_size(value: int | str, total: int | None = None) -> int:
 
 
 def format_size(n: float) -> str:
-    """Bytes for people: "512 B", "3.4 GiB"."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+    """Bytes for people, in the unit that fits: "512 B", "25.0 MiB", "3.4 GiB"."""
+    scale, unit = _fitting_unit(n)
+    return f"{n:.0f} {unit}" if unit == "B" else f"{n / scale:.1f} {unit}"
+
+
+def format_progress(done: int, total: int) -> str:
+    """Load progress for people, both sizes in the unit that fits the total: "45% 63.0/140.0 GiB"."""
+    scale, unit = _fitting_unit(total)
+    digits = 0 if unit == "B" else 1
+    return f"{100 * done // max(total, 1)}% {done / scale:.{digits}f}/{total / scale:.{digits}f} {unit}"
+
+
+def _fitting_unit(n: float) -> tuple[int, str]:
+    for power, unit in enumerate(("B", "KiB", "MiB", "GiB")):
+        if abs(n) < 1024 ** (power + 1):
+            return 1024**power, unit
+    return 1024**4, "TiB"
 
 
 Size = Annotated[StrictInt | str, Field(union_mode="left_to_right")]

@@ -30,7 +30,7 @@ from wcd import __version__, parking, protocol, systemd
 from wcd.arenas import Arena, backend_for
 from wcd.cache import Cache, Entry, Lease
 from wcd.checkpoint import Checkpoint
-from wcd.config import Config, ModelConfig, format_size, load_config, parse_size
+from wcd.config import Config, ModelConfig, format_progress, format_size, load_config, parse_size
 from wcd.errors import (
     BadRequest, Busy, ConfigError, Internal, LoadFailed, NotFound, PermissionDenied, ProtocolError, UnsupportedVersion,
     WcdError,
@@ -501,12 +501,10 @@ class Server:
         loading = [e for e in self.cache.entries.values() if e.state == "loading"]
         if loading:
             e = loading[0]
-            total = max(e.manifest.nbytes, 1)
             more = f" (+{len(loading) - 1} more)" if len(loading) > 1 else ""
-            return (f"loading {e.name} {100 * e.done_bytes // total}% {e.done_bytes / 1e9:.0f}/"
-                    f"{e.manifest.nbytes / 1e9:.0f} GB{more}")
+            return f"loading {e.name} {format_progress(e.done_bytes, e.manifest.nbytes)}{more}"
         held = sum(e.nbytes for e in self.cache.entries.values())
-        return f"serving {len(self.cache.entries)} entries, {len(self.cache.leases)} leases, {held / 1e9:.1f} GB"
+        return f"serving {len(self.cache.entries)} entries, {len(self.cache.leases)} leases, {format_size(held)}"
 
     async def _report_status(self) -> None:
         last = ""

@@ -7,14 +7,17 @@ import logging
 import sys
 from pathlib import Path
 
-from wcd.cli import die
+from wcd import __version__
+from wcd.cli import die, quiet_on_closed_pipe
 from wcd.errors import WcdError
 
 USAGE_ERROR = 2
 
 
+@quiet_on_closed_pipe
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="wcd", description="GPU weight cache daemon")
+    parser.add_argument("--version", action="version", version=f"wcd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the daemon")
     where = serve.add_mutually_exclusive_group(required=True)
