@@ -76,6 +76,15 @@ def _fitting_unit(n: float) -> tuple[int, str]:
     return 1024**4, "TiB"
 
 
+def parse_host_port(value: str) -> tuple[str, int]:
+    """("127.0.0.1", 9464) from "127.0.0.1:9464"; IPv6 in brackets ("[::1]:9464"); port 0 picks one."""
+    m = re.fullmatch(r"\[([0-9A-Fa-f:.]+)\]:(\d{1,5})|([A-Za-z0-9.-]+):(\d{1,5})", value.strip())
+    port = int(m.group(2) or m.group(4)) if m else -1
+    if not m or port > 65535:
+        raise ValueError(f"expected host:port like \"127.0.0.1:9464\" or \"[::1]:9464\", got {value!r}")
+    return m.group(1) or m.group(3), port
+
+
 Size = Annotated[StrictInt | str, Field(union_mode="left_to_right")]
 
 
@@ -89,6 +98,8 @@ class DaemonConfig(BaseModel):
     budget: dict[str, Size] = {}
     load_workers: Annotated[int, Field(ge=1, le=256)] | None = None
     max_connections: Annotated[int, Field(ge=1, le=65536)] = 1024
+    # "host:port" (IPv6 as "[::1]:9464") serving GET /metrics over HTTP; off when unset.
+    metrics_listen: str | None = None
 
     @field_validator("budget")
     @classmethod
@@ -99,6 +110,16 @@ class DaemonConfig(BaseModel):
             except ValueError as e:
                 raise ValueError(f"{device}: {e}") from None
         return v
+
+    @field_validator("metrics_listen")
+    @classmethod
+    def _host_port(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_host_port(v)
+        return v
+
+    def metrics_address(self) -> tuple[str, int] | None:
+        return None if self.metrics_listen is None else parse_host_port(self.metrics_listen)
 
     @field_validator("allowed_groups")
     @classmethod

@@ -39,6 +39,7 @@ from wcd.key import HOST_DEVICE, WeightCacheKey, fingerprint_checkpoint
 from wcd.loader import Cancelled, default_workers, digest_arena, digest_checkpoint, fill_arena
 from wcd.manifest import Manifest
 from wcd.metrics import Metrics
+from wcd.metrics_http import MetricsHttp
 from wcd.protocol import FrameDecoder, encode
 
 log = logging.getLogger("wcd")
@@ -196,6 +197,8 @@ class Server:
         self.devices: dict[str, str] = {}  # configured name ("cuda:0") -> canonical id (UUID)
         self.stopping = asyncio.Event()
         self.metrics = Metrics(self)
+        address = config.daemon.metrics_address()
+        self.metrics_http = MetricsHttp(*address, self.metrics.render) if address else None
         self._listener: socket.socket | None = None
         self._bound_path: Path | None = None
         self._ready: dict[str, asyncio.Event] = {}  # entry name -> set when it leaves loading/filling
@@ -227,6 +230,8 @@ class Server:
         # Admit configured models before serving, so an engine that connects at once waits for
         # its model instead of getting not_found; the copies themselves run in the background.
         await asyncio.gather(*(self._admit_configured(m) for m in self.config.models))
+        if self.metrics_http is not None:
+            await self.metrics_http.start()
         self._listen()
         log.info("wcd %s serving %s (devices: %s)", __version__, self._where(), ", ".join(self.cache.budgets))
         self._notify("ready", self.status_line())
@@ -245,6 +250,8 @@ class Server:
             self.stopping.set()
 
     async def shutdown(self) -> None:
+        if self.metrics_http is not None:
+            await self.metrics_http.stop()
         if self._listener is not None:
             self.loop.remove_reader(self._listener.fileno())
             if self.listen_fd is None:
