@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import torch  # noqa: F401
     except ImportError:
-        die("wcd demo", "needs torch on the engine side: pip install 'wcd[torch]' (the daemon itself does not)", 1)
+        die("wcd demo", "needs torch on the engine side: pip install torch, or '.[torch]' in a checkout "
+            "(the daemon itself does not)", 1)
     from wcd.demo import run_demo
 
     try:
