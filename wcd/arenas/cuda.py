@@ -22,6 +22,7 @@ from typing import Any
 from cuda.bindings import driver as cuda
 
 from wcd.arenas.base import Arena, ArenaBackend, ArenaWriter, DeviceInfo
+from wcd.config import format_size
 from wcd.errors import BadRequest, DeviceUnavailable, Internal, OutOfMemory
 from wcd.manifest import align_up
 
@@ -369,7 +370,7 @@ class CudaBackend(ArenaBackend):
         try:
             handle = _check(cuda.cuMemCreate(size, _alloc_prop(gpu), 0), "cuMemCreate")
         except OutOfMemory:
-            raise OutOfMemory(f"{gpu.label} {gpu.uuid}: out of GPU memory for {size / 2**30:.2f} GiB ({label!r}); "
+            raise OutOfMemory(f"{gpu.label} {gpu.uuid}: out of GPU memory for {format_size(size)} ({label!r}); "
                               "evict entries or lower this device's budget") from None
         try:
             fd = int(_check(cuda.cuMemExportToShareableHandle(handle, POSIX_FD, 0), "cuMemExportToShareableHandle"))
