@@ -12,6 +12,7 @@ import asyncio
 import errno
 import logging
 import os
+import socket
 from collections.abc import Callable
 
 from wcd.errors import ConfigError
@@ -43,16 +44,34 @@ class MetricsHttp:
         return f"http://{host}:{self.port}{PATH}"
 
     async def start(self) -> None:
+        sock = self._bind()
+        self._server = await asyncio.start_server(self._serve, sock=sock, limit=MAX_REQUEST_BYTES)
+        self.port = sock.getsockname()[1]  # the one picked, for port 0
+        log.info("metrics on %s", self.url)
+
+    def _bind(self) -> socket.socket:
+        # Bound here rather than by start_server, which can skip an address whose socket() fails
+        # (as under RestrictAddressFamilies=) and then serve on no socket at all, silently.
+        where = f"daemon.metrics_listen: cannot listen on {self.host}:{self.port}"
         try:
-            self._server = await asyncio.start_server(self._serve, self.host, self.port, limit=MAX_REQUEST_BYTES)
+            family, kind, proto, _, address = socket.getaddrinfo(
+                self.host, self.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        except socket.gaierror as e:
+            raise ConfigError(f"{where} ({e.strerror})") from None
+        sock: socket.socket | None = None
+        try:
+            sock = socket.socket(family, kind, proto)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+            sock.listen(MAX_CONNECTIONS)
+            sock.setblocking(False)
         except OSError as e:
+            if sock is not None:
+                sock.close()
             hint = ("; under wcd@.service allow TCP with a drop-in (see the comments in wcd@.service)"
                     if e.errno in _SANDBOXED else "")
-            raise ConfigError(f"daemon.metrics_listen: cannot listen on {self.host}:{self.port} "
-                              f"({os.strerror(e.errno) if e.errno else e}){hint}") from None
-        # The port picked, for port 0.
-        self.port = self._server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
-        log.info("metrics on %s", self.url)
+            raise ConfigError(f"{where} ({os.strerror(e.errno) if e.errno else e}){hint}") from None
+        return sock
 
     async def stop(self) -> None:
         if self._server is None:

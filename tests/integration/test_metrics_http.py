@@ -107,3 +107,20 @@ def test_a_taken_port_is_one_line(make_daemon, tmp_path: Path):
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1] == (
         f"wcd: daemon.metrics_listen: cannot listen on 127.0.0.1:{port} (Address already in use)")
+
+
+def test_a_sandbox_without_tcp_is_one_line_pointing_at_the_drop_in(monkeypatch: pytest.MonkeyPatch):
+    """What RestrictAddressFamilies=AF_UNIX does to socket(AF_INET): refused, not silently unserved
+    (make test-system shows it under the real unit)."""
+    import errno
+
+    from wcd import metrics_http
+    from wcd.errors import ConfigError
+
+    def refused(*args: object) -> socket.socket:
+        raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
+
+    monkeypatch.setattr(metrics_http.socket, "socket", refused)
+    with pytest.raises(ConfigError, match=r"cannot listen on 127\.0\.0\.1:9464 \(Address family not supported "
+                                          r"by protocol\); under wcd@\.service allow TCP with a drop-in"):
+        metrics_http.MetricsHttp("127.0.0.1", 9464, str)._bind()
