@@ -18,7 +18,7 @@ $(VENV)/.ready:
 	$(PYTHON) -m venv "$(VENV)"
 	"$(BIN)/python" -m pip install -q --disable-pip-version-check "setuptools>=68" wheel "$(TORCH)"
 	"$(BIN)/python" -m pip install -q --disable-pip-version-check ".[test]"
-	"$(BIN)/python" -m pip uninstall -q -y wcd
+	"$(BIN)/python" -m pip uninstall -q -y wcd-weight-cache
 	touch "$@"
 
 venv: $(VENV)/.ready

@@ -19,6 +19,7 @@ import itertools
 import time
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any, Literal
 
 from wcd.config import format_size
@@ -68,7 +69,10 @@ class Entry:
     def read_leases(self) -> int:
         return sum(1 for lease in self.leases.values() if lease.kind == "read")
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self, now: float | None = None) -> dict[str, Any]:
+        """The entry for status/list replies. `now` is a reading of the clock `last_used` comes
+        from (the cache's; monotonic by default): it becomes idle seconds and a wall-clock time."""
+        idle_s = max(0.0, (time.monotonic() if now is None else now) - self.last_used)
         return {
             "name": self.name,
             "state": self.state,
@@ -81,7 +85,8 @@ class Entry:
             "progress": {"done": self.done_bytes, "total": self.manifest.nbytes},
             "acquires": self.acquires,
             "notes": self.notes,
-            "last_used": self.last_used,
+            "last_used": datetime.fromtimestamp(time.time() - idle_s, timezone.utc).isoformat(timespec="seconds"),
+            "idle_s": round(idle_s, 3),
             "key": self.key.model_dump(),
         }
 

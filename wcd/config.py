@@ -57,12 +57,32 @@ def parse_size(value: int | str, total: int | None = None) -> int:
 
 
 def format_size(n: float) -> str:
-    """Bytes for people: "512 B", "3.4 GiB"."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+    """Bytes for people, in the unit that fits: "512 B", "25.0 MiB", "3.4 GiB"."""
+    scale, unit = _fitting_unit(n)
+    return f"{n:.0f} {unit}" if unit == "B" else f"{n / scale:.1f} {unit}"
+
+
+def format_progress(done: int, total: int) -> str:
+    """Load progress for people, both sizes in the unit that fits the total: "45% 63.0/140.0 GiB"."""
+    scale, unit = _fitting_unit(total)
+    digits = 0 if unit == "B" else 1
+    return f"{100 * done // max(total, 1)}% {done / scale:.{digits}f}/{total / scale:.{digits}f} {unit}"
+
+
+def _fitting_unit(n: float) -> tuple[int, str]:
+    for power, unit in enumerate(("B", "KiB", "MiB", "GiB")):
+        if abs(n) < 1024 ** (power + 1):
+            return 1024**power, unit
+    return 1024**4, "TiB"
+
+
+def parse_host_port(value: str) -> tuple[str, int]:
+    """("127.0.0.1", 9464) from "127.0.0.1:9464"; IPv6 in brackets ("[::1]:9464"); port 0 picks one."""
+    m = re.fullmatch(r"\[([0-9A-Fa-f:.]+)\]:(\d{1,5})|([A-Za-z0-9.-]+):(\d{1,5})", value.strip())
+    port = int(m.group(2) or m.group(4)) if m else -1
+    if not m or port > 65535:
+        raise ValueError(f"expected host:port like \"127.0.0.1:9464\" or \"[::1]:9464\", got {value!r}")
+    return m.group(1) or m.group(3), port
 
 
 Size = Annotated[StrictInt | str, Field(union_mode="left_to_right")]
@@ -78,6 +98,8 @@ class DaemonConfig(BaseModel):
     budget: dict[str, Size] = {}
     load_workers: Annotated[int, Field(ge=1, le=256)] | None = None
     max_connections: Annotated[int, Field(ge=1, le=65536)] = 1024
+    # "host:port" (IPv6 as "[::1]:9464") serving GET /metrics over HTTP; off when unset.
+    metrics_listen: str | None = None
 
     @field_validator("budget")
     @classmethod
@@ -88,6 +110,16 @@ class DaemonConfig(BaseModel):
             except ValueError as e:
                 raise ValueError(f"{device}: {e}") from None
         return v
+
+    @field_validator("metrics_listen")
+    @classmethod
+    def _host_port(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_host_port(v)
+        return v
+
+    def metrics_address(self) -> tuple[str, int] | None:
+        return None if self.metrics_listen is None else parse_host_port(self.metrics_listen)
 
     @field_validator("allowed_groups")
     @classmethod

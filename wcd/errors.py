@@ -72,6 +72,13 @@ class LoadFailed(WcdError):
     code = "load_failed"
 
 
+class DeviceUnavailable(WcdError):
+    """The device exists in the config or request, but this machine cannot serve it: the CUDA
+    backend is not installed, or there is no usable NVIDIA driver. The message says what to install."""
+
+    code = "device_unavailable"
+
+
 class DaemonUnavailable(WcdError):
     """Client side only: the daemon cannot be reached (not running, wrong socket, connection lost)."""
 
@@ -98,6 +105,7 @@ _BY_CODE: dict[str, type[WcdError]] = {
         PermissionDenied,
         LeaseExpired,
         LoadFailed,
+        DeviceUnavailable,
         DaemonUnavailable,
     )
 }

@@ -25,10 +25,11 @@ from typing import Any
 
 from wcd import __version__, ops, systemd
 from wcd.cache import Cache
-from wcd.config import Config, load_config
+from wcd.config import Config, format_progress, format_size, load_config
 from wcd.connection import Connection
 from wcd.errors import BadRequest, Busy, ConfigError, PermissionDenied, WcdError
 from wcd.metrics import Metrics
+from wcd.metrics_http import MetricsHttp
 from wcd.residency import Residency, device_budgets
 from wcd.state import ServerState
 
@@ -48,6 +49,7 @@ class Server:
         self.started_at = time.time()
         self._config = config  # until startup; then state.config, replaced by reload()
         self._parked_fds = parked_fds or []  # from systemd's fd store, adopted at startup
+        self.metrics_http: MetricsHttp | None = None
         self._listener: socket.socket | None = None
         self._bound_path: Path | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -77,6 +79,10 @@ class Server:
         # Admit configured models before serving, so an engine that connects at once waits for
         # its model instead of getting not_found; the copies themselves run in the background.
         await asyncio.gather(*(self.residency.admit_configured(m) for m in config.models))
+        address = config.daemon.metrics_address()
+        if address is not None:
+            self.metrics_http = MetricsHttp(*address, metrics.render)
+            await self.metrics_http.start()
         self._listen()
         log.info("wcd %s serving %s (devices: %s)", __version__, self.state.where, ", ".join(budgets))
         self._notify("ready", self.status_line())
@@ -95,6 +101,8 @@ class Server:
             self.stopping.set()
 
     async def shutdown(self) -> None:
+        if self.metrics_http is not None:
+            await self.metrics_http.stop()
         if self._listener is not None:
             asyncio.get_running_loop().remove_reader(self._listener.fileno())
             if self.listen_fd is None:
@@ -231,12 +239,10 @@ class Server:
         loading = [e for e in cache.entries.values() if e.state == "loading"]
         if loading:
             e = loading[0]
-            total = max(e.manifest.nbytes, 1)
             more = f" (+{len(loading) - 1} more)" if len(loading) > 1 else ""
-            return (f"loading {e.name} {100 * e.done_bytes // total}% {e.done_bytes / 1e9:.0f}/"
-                    f"{e.manifest.nbytes / 1e9:.0f} GB{more}")
+            return f"loading {e.name} {format_progress(e.done_bytes, e.manifest.nbytes)}{more}"
         held = sum(e.nbytes for e in cache.entries.values())
-        return f"serving {len(cache.entries)} entries, {len(cache.leases)} leases, {held / 1e9:.1f} GB"
+        return f"serving {len(cache.entries)} entries, {len(cache.leases)} leases, {format_size(held)}"
 
     async def _report_status(self) -> None:
         last = ""
@@ -292,15 +298,6 @@ def _bind(path: Path, groups: list[str]) -> socket.socket:
     return sock
 
 
-def _is_listener(fd: int) -> bool:
-    try:
-        s = socket.socket(fileno=os.dup(fd))
-    except OSError:
-        return False
-    with s:
-        return s.family == socket.AF_UNIX and bool(s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
-
-
 def run(config: Config, instance: str = "wcd", config_path: Path | None = None,
         passed_fds: list[tuple[int, str]] | None = None) -> int:
     """Run the daemon until SIGTERM/SIGINT. Returns the process exit status.
@@ -309,12 +306,7 @@ def run(config: Config, instance: str = "wcd", config_path: Path | None = None,
     """
     import uvloop
 
-    listen_fd, parked = None, []
-    for fd, name in passed_fds or []:
-        if name == systemd.SOCKET_NAME or (name == "unknown" and listen_fd is None and _is_listener(fd)):
-            listen_fd = fd
-        else:
-            parked.append((fd, name))
+    listen_fd, parked = systemd.split_listener(passed_fds or [])
 
     async def main() -> None:
         server = Server(config, instance, listen_fd, parked, config_path)

@@ -14,7 +14,7 @@ import warnings
 
 import sdnotify
 
-SOCKET_NAME = "wcd"  # FileDescriptorName= of wcd@.socket: tells the listener from fd-store entries
+SOCKET_NAME = "wcd"  # FileDescriptorName= of wcd@.socket; the listener is found by what it is, not by this
 LISTEN_FDS_START = 3  # SD_LISTEN_FDS_START: passed fds are 3, 4, ... in LISTEN_FDNAMES order
 FDNAME_MAX = 255  # systemd's fdname_is_valid(); longer or invalid names are silently ignored
 SCM_MAX_FD = 253  # the kernel refuses (EINVAL) more fds than this in one message
@@ -51,6 +51,31 @@ def listen_fds() -> list[tuple[int, str]]:
     finally:
         for var in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
             os.environ.pop(var, None)
+
+
+def split_listener(passed: list[tuple[int, str]]) -> tuple[int | None, list[tuple[int, str]]]:
+    """(listening socket, fd-store entries) among what listen_fds() returned.
+
+    The listener is recognised by what it is, an AF_UNIX stream socket in the listening state
+    (SO_ACCEPTCONN), whatever its name: a socket unit without FileDescriptorName= passes it under
+    the unit's name ("wcd@x.socket"), or "unknown". Names matter only for fd-store entries.
+    """
+    listeners = [fd for fd, _ in passed if is_unix_listener(fd)]
+    if len(listeners) > 1:
+        raise SystemdError(f"LISTEN_FDS passes {len(listeners)} listening sockets (fds "
+                           f"{', '.join(map(str, listeners))}); wcd serves one: give its socket unit one ListenStream=")
+    listener = listeners[0] if listeners else None
+    return listener, [(fd, name) for fd, name in passed if fd != listener]
+
+
+def is_unix_listener(fd: int) -> bool:
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:  # not a socket (a parked memfd), or not open
+        return False
+    with sock:
+        return (sock.family == socket.AF_UNIX and sock.type == socket.SOCK_STREAM
+                and bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)))
 
 
 def watchdog_interval() -> float | None:
@@ -186,8 +211,6 @@ def _check_fdname(name: str) -> None:
         raise ValueError(
             f"invalid fd store name {name!r}: use 1-{FDNAME_MAX} printable ASCII characters without ':'"
         )
-    if name == SOCKET_NAME:
-        raise ValueError(f"invalid fd store name {name!r}: it names the listening socket after a restart")
 
 
 def _env_int(var: str) -> int | None:

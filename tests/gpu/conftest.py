@@ -17,7 +17,7 @@ def gpu_skip_reason() -> str | None:
     try:
         from cuda.bindings import driver as cuda
     except ImportError:
-        return "cuda-bindings is not installed (pip install 'wcd[cuda]')"
+        return "cuda-bindings is not installed (pip install '.[cuda]')"
     try:
         err, = cuda.cuInit(0)
     except Exception as e:  # noqa: BLE001 - cuda-bindings raises its own loader errors without a driver

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
 
+from tests.integration.conftest import sparse_checkpoint
 from tests.integration.test_daemon import model_config
+from wcd import __version__
 
 BIN = Path(sys.executable).parent
 
@@ -102,3 +107,92 @@ def test_wcd_demo_runs_and_proves_bit_identical():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "bit-identical: yes, all 300 tensors" in out.stdout
     assert "engine start attached from wcd" in out.stdout
+
+
+def test_version() -> None:
+    for prog in ("wcd", "wcdctl"):
+        out = run(prog, "--version")
+        assert out.returncode == 0 and out.stdout == f"{prog} {__version__}\n", out
+
+
+def test_global_options_before_and_after_the_subcommand(make_daemon, tmp_path):
+    d = make_daemon(model_config(sparse_checkpoint(tmp_path / "m.safetensors", 25 << 20)))
+    sock = str(d.socket)
+    env = {"WCD_SOCKET": str(tmp_path / "elsewhere.sock")}  # --socket wins, wherever it is
+    for args in (["--json", "--socket", sock, "list"], ["list", "--json", "--socket", sock],
+                 ["--socket", sock, "list", "--json"], ["--json", "list", "--socket", sock]):
+        out = run("wcdctl", *args, env=env)
+        assert out.returncode == 0, (args, out.stderr)
+        [entry] = json.loads(out.stdout)["entries"]
+        assert entry["name"] == "m"
+    assert json.loads(run("wcdctl", "status", "--json", "--socket", sock).stdout)["entries"][0]["name"] == "m"
+    ld = run("wcdctl", "load", "again", str(tmp_path / "m.safetensors"), "--wait", "--socket", sock, "--json")
+    assert ld.returncode == 0 and json.loads(ld.stdout)["entry"]["state"] == "ready", ld.stderr
+    assert run("wcdctl", "evict", "again", "--socket", sock).returncode == 0
+
+
+def test_last_used_is_wall_clock_time_and_idle_seconds(make_daemon, checkpoint):
+    path, _ = checkpoint
+    d = make_daemon(model_config(path))
+    with d.client() as c, c.acquire("m"):
+        used = datetime.now(timezone.utc)
+    time.sleep(1.1)
+    [entry] = json.loads(run("wcdctl", "--socket", str(d.socket), "list", "--json").stdout)["entries"]
+    last_used = datetime.fromisoformat(entry["last_used"])
+    assert last_used.tzinfo is not None and abs((last_used - used).total_seconds()) < 2
+    assert 1.0 <= entry["idle_s"] < 30
+    table = run("wcdctl", "--socket", str(d.socket), "list").stdout.splitlines()
+    assert table[0].split()[-1] == "IDLE" and table[1].split()[-1].endswith("s")
+
+
+def test_sizes_use_units_that_fit(make_daemon, tmp_path):
+    d = make_daemon(model_config(sparse_checkpoint(tmp_path / "m.safetensors", 25 << 20)))
+    listed = run("wcdctl", "--socket", str(d.socket), "list").stdout
+    assert "25.0 MiB" in listed, listed
+    status = run("wcdctl", "--socket", str(d.socket), "status").stdout
+    assert "25.0 MiB" in status and " GB" not in status, status
+
+
+@pytest.mark.parametrize("command", [["status"], ["list"], ["metrics"], ["list", "--json"]])
+def test_a_closed_stdout_pipe_is_a_quiet_exit(make_daemon, checkpoint, command):
+    path, _ = checkpoint
+    d = make_daemon(model_config(path))
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before wcdctl writes a byte: every write fails (EPIPE)
+    try:
+        out = subprocess.run([str(BIN / "wcdctl"), "--socket", str(d.socket), *command], stdout=write,
+                             stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write)
+    assert out.returncode == 0 and out.stderr == ""
+    # As users type it: a shell pipeline whose reader stops early, status and stderr of wcdctl kept.
+    for reader in ("head -1", "true"):
+        sh = subprocess.run(["bash", "-c", f'"$0" --socket "$1" {" ".join(command)} 2>"$2" | {reader}; '
+                             'exit "${PIPESTATUS[0]}"', str(BIN / "wcdctl"), str(d.socket), str(d.root / "err")],
+                            capture_output=True, text=True, timeout=60)
+        assert sh.returncode == 0 and (d.root / "err").read_text() == "", (reader, sh)
+
+
+needs_no_cuda = pytest.mark.skipif(importlib.util.find_spec("cuda") is not None,
+                                   reason="cuda-bindings is installed here")
+
+
+@needs_no_cuda
+def test_gpu_model_without_cuda_bindings_is_one_line(tmp_path, checkpoint):
+    path, _ = checkpoint
+    cfg = tmp_path / "gpu.toml"
+    cfg.write_text(f'[daemon]\nsocket = "{tmp_path / "g.sock"}"\n{model_config(path)}device = "cuda:0"\n')
+    out = run("wcd", "serve", "--config", str(cfg))
+    assert out.returncode == 1
+    line = one_line_error(out, "wcd")
+    assert "'cuda:0' needs cuda-bindings" in line and "wcd-cuda package" in line and "pip install" in line
+
+
+@needs_no_cuda
+def test_wcdctl_load_on_a_gpu_without_cuda_bindings_is_device_unavailable(make_daemon, checkpoint):
+    path, _ = checkpoint
+    d = make_daemon()
+    out = run("wcdctl", "--socket", str(d.socket), "load", "g", str(path), "--device", "cuda:0")
+    assert out.returncode == 1
+    line = one_line_error(out, "wcdctl")
+    assert "wcd-cuda package" in line and line.endswith("[device_unavailable]") and "internal" not in line

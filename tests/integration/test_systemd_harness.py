@@ -28,8 +28,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 class FakeSystemd:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, socket_name: str = "wcd") -> None:
         self.root = root
+        self.socket_name = socket_name  # systemd names it after the unit without FileDescriptorName=
         self.sock_path = root / "wcd.sock"
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(str(self.sock_path))
@@ -44,7 +45,8 @@ class FakeSystemd:
         self.log = root / "daemon.log"
 
     def start(self, config: Path, watchdog_usec: int | None = None) -> None:
-        passed = [(self.listener.fileno(), "wcd")] + [(fd, n) for n, fds in self.store.items() for fd in fds]
+        # After a restart systemd passes the socket's fds, then the fd store's.
+        passed = [(self.listener.fileno(), self.socket_name)] + [(fd, n) for n, fds in self.store.items() for fd in fds]
         env = {**os.environ, "LISTEN_FDS": str(len(passed)), "LISTEN_FDNAMES": ":".join(n for _, n in passed),
                "NOTIFY_SOCKET": str(self.notify_path)}
         if watchdog_usec:
@@ -144,7 +146,7 @@ def test_restart_keeps_weights_through_the_fd_store(fake_systemd, tmp_path):
     with Client(fake_systemd.sock_path) as before:
         lease = before.acquire("llama")
         fake_systemd.wait_for("FDSTORE", "1")
-        fake_systemd.wait_for("STATUS", "serving 1 entries, 1 leases, 0.0 GB")
+        fake_systemd.wait_for("STATUS", "serving 1 entries, 1 leases, 132.0 KiB")
         shutil.move(ckpt, tmp_path / "moved-away")  # the restart must not need the checkpoint
         assert fake_systemd.stop() == 0
         assert any(m.get("STOPPING") == "1" for m in fake_systemd.messages)
@@ -165,6 +167,34 @@ def test_restart_keeps_weights_through_the_fd_store(fake_systemd, tmp_path):
     fake_systemd.wait_for("FDSTOREREMOVE", "1", after=fake_systemd.wait_for("FDSTOREREMOVE", "1") + 1)
     assert fake_systemd.store == {}
     assert fake_systemd.stop() == 0
+
+
+@pytest.mark.parametrize("socket_name", ["wcd@x.socket", "unknown"])
+def test_a_listener_under_any_name_is_the_listener_after_a_restart(tmp_path, socket_name):
+    """A socket unit without FileDescriptorName= passes its fd under the unit's name: the daemon
+    must still serve on it, and adopt the fd-store entries that follow it."""
+    harness = FakeSystemd(tmp_path, socket_name)
+    try:
+        ckpt = tmp_path / "m"
+        tensors = write_model(ckpt, seed=1)
+        cfg = config(tmp_path, {"m": ckpt})
+        harness.start(cfg)
+        with Client(harness.sock_path) as c, c.acquire("m"):
+            pass
+        harness.wait_for("FDSTORE", "1")
+        assert harness.stop() == 0 and len(harness.store) == 2
+        harness.start(cfg)
+        with Client(harness.sock_path) as c:
+            [entry] = c.list()
+            assert entry["state"] == "ready"
+            with c.acquire("m") as lease:
+                assert same(lease.tensors["w"], tensors["w"])
+        log = harness.log.read_text()
+        assert "adopted" in log and "dropping unknown fd" not in log and "another daemon" not in log
+        assert not (tmp_path / "unused.sock").exists()  # served on the passed socket, not its own
+        assert harness.stop() == 0
+    finally:
+        harness.close()
 
 
 def test_stale_and_corrupt_parked_entries_are_dropped(fake_systemd, tmp_path):

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from wcd import systemd
+from wcd.cli.wcd import USAGE_ERROR
 from wcd.config import load_config
 
 UNITS = Path(__file__).resolve().parents[2] / "systemd"
@@ -146,6 +147,9 @@ def test_units_agree_with_each_other() -> None:
 def test_service_keeps_what_the_daemon_needs() -> None:
     assert value(SERVICE, "Service", "Type") == "notify"  # READY=1 / RELOADING=1 / STOPPING=1
     assert value(SERVICE, "Service", "WatchdogSec") == "30s"
+    # A bad config exits 2 (one line in the journal): restarting it would only repeat that line.
+    assert value(SERVICE, "Service", "Restart") == "on-failure"
+    assert value(SERVICE, "Service", "RestartPreventExitStatus") == str(USAGE_ERROR)
     assert int(value(SERVICE, "Service", "FileDescriptorStoreMax")) >= 2  # arena fd + manifest memfd
     # /dev/nvidia* must stay reachable, CUDA maps W+X code, SO_PEERCRED must see real uids, and a
     # RuntimeDirectory= would delete /run/wcd (and the socket) whenever the service stops.

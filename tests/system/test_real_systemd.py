@@ -229,3 +229,46 @@ def test_stop_empties_the_fd_store(box):
     log = wait_for("the load from disk in the journal",
                    lambda: text if "loaded demo" in (text := journal(box, f"_PID={pid}")) else None, timeout=10)
     assert f"in 30 tensors from {DEMO} to cpu" in log and "adopted" not in log, log
+
+
+def test_a_config_error_fails_once_with_its_reason_in_systemctl_status(box):
+    """Exit status 2 (RestartPreventExitStatus=2): no restarts, no 'start request repeated too
+    quickly', and the daemon's one line where the operator looks first."""
+    unit = "wcd@broken.service"
+    box.write("/etc/wcd/broken.toml", '[daemon]\nlease_ttl_s = "soon"\n')
+    box.run(f"systemctl start {unit}", check=False, timeout=60)
+    wait_for(f"{unit} to fail", lambda: box.show(unit, "ActiveState") == "failed")
+    time.sleep(3)  # RestartSec=1s: a restart would have come by now
+    assert (box.show(unit, "NRestarts"), box.show(unit, "Result"), box.show(unit, "ExecMainStatus")) == (
+        "0", "exit-code", "2")
+    line = "wcd: config /etc/wcd/broken.toml: daemon.lease_ttl_s: Input should be a valid number"
+    shown = wait_for("the reason in systemctl status", lambda: (
+        text if line in (text := box.run(f"systemctl status --no-pager -n 5 {unit}", check=False).stdout) else None),
+        timeout=10)
+    assert "Traceback" not in journal(box, "-u", unit) and "repeated too quickly" not in shown, shown
+    box.run(f"systemctl stop wcd@broken.socket && systemctl reset-failed {unit}")
+
+
+METRICS_FETCH = ("python3 -c 'import sys, urllib.request; "
+                 "print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())' http://127.0.0.1:9464/metrics")
+
+
+def test_metrics_over_http_with_the_drop_in_the_unit_documents(box):
+    unit = "wcd@scraped.service"
+    box.write("/etc/wcd/scraped.toml", '[daemon]\nallowed_uids = [0]\nmetrics_listen = "127.0.0.1:9464"\n')
+    # As shipped, the sandbox refuses TCP: one line that points at the drop-in, and no restarts.
+    box.run(f"systemctl start {unit}", check=False, timeout=60)
+    wait_for(f"{unit} to fail", lambda: box.show(unit, "ActiveState") == "failed")
+    assert box.show(unit, "NRestarts") == "0"
+    assert "allow TCP with a drop-in (see the comments in wcd@.service)" in journal(box, "-u", unit)
+    box.run(f"systemctl reset-failed {unit}")
+    # The drop-in from wcd@.service's comments, as `systemctl edit wcd@scraped` would write it.
+    service = box.out("cat /usr/lib/systemd/system/wcd@.service")
+    start = service.index("#   [Service]")
+    drop_in = "\n".join(line[4:] for line in service[start:].splitlines()[:4]) + "\n"
+    assert drop_in.startswith("[Service]\nPrivateNetwork=no\n"), drop_in
+    box.write(f"/etc/systemd/system/{unit}.d/override.conf", drop_in)
+    box.run(f"systemctl daemon-reload && systemctl start {unit}", timeout=60)
+    text = wait_for("a scrape of /metrics", lambda: box.run(METRICS_FETCH, check=False).stdout, timeout=20)
+    assert 'wcd_device_budget_bytes{device="cpu"}' in text and "wcd_connections 0.0" in text
+    box.run(f"systemctl stop {unit} wcd@scraped.socket", timeout=60)

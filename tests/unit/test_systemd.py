@@ -224,7 +224,7 @@ def test_store_failure_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         os.close(fd)
 
 
-@pytest.mark.parametrize("name", ["", systemd.SOCKET_NAME, "a:b", "x" * 256, "tab\there", "new\nline", "é", "del\x7f"])
+@pytest.mark.parametrize("name", ["", "a:b", "x" * 256, "tab\there", "new\nline", "é", "del\x7f"])
 def test_invalid_fd_names_are_refused(manager: socket.socket, name: str) -> None:
     with pytest.raises(ValueError, match="invalid fd store name"):
         systemd.store_fds([0], name)
@@ -367,3 +367,28 @@ def test_imports_neither_torch_nor_the_server() -> None:
         capture_output=True, text=True, check=True,
     ).stdout
     assert out.strip() == "[]"
+
+
+def test_the_listener_is_found_by_what_it_is_not_its_name(tmp_path: Path) -> None:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(tmp_path / "s"))
+    listener.listen(1)
+    unlistened = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    tcp.bind(("127.0.0.1", 0))
+    tcp.listen(1)
+    memfd = os.memfd_create("arena")
+    try:
+        passed = [(memfd, "wcd-0000.arena"), (listener.fileno(), "wcd@x.socket"), (unlistened.fileno(), "wcd"),
+                  (tcp.fileno(), "metrics")]
+        assert systemd.split_listener(passed) == (listener.fileno(), [passed[0], passed[2], passed[3]])
+        assert systemd.split_listener([passed[0]]) == (None, [passed[0]])
+        other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        other.bind(str(tmp_path / "t"))
+        other.listen(1)
+        with other, pytest.raises(systemd.SystemdError, match="2 listening sockets .* one ListenStream="):
+            systemd.split_listener([(listener.fileno(), "a"), (other.fileno(), "b")])
+    finally:
+        for s in (listener, unlistened, tcp):
+            s.close()
+        os.close(memfd)

@@ -2,13 +2,15 @@
 
 `backend_for(device)` picks the implementation: `cpu` is host memory (sealed memfd, always
 available); `cuda:N` and GPU UUIDs are CUDA VMM allocations (`wcd.arenas.cuda`, needs the
-`cuda` extra, imported only when a GPU device is used). Arenas know nothing about leases.
+`cuda` extra, imported only when a GPU device is used; without it a GPU device is a
+`DeviceUnavailable` error that says what to install). Arenas know nothing about leases.
 """
 
 from __future__ import annotations
 
+from wcd import DISTRIBUTION
 from wcd.arenas.base import Arena, ArenaBackend, ArenaWriter, DeviceInfo
-from wcd.errors import BadRequest
+from wcd.errors import BadRequest, DeviceUnavailable
 from wcd.key import HOST_DEVICE
 
 __all__ = ["Arena", "ArenaBackend", "ArenaWriter", "DeviceInfo", "backend_for", "is_gpu_device"]
@@ -30,10 +32,33 @@ def backend_for(device: str) -> ArenaBackend:
 
             backend = HostBackend()
         elif kind == "cuda":
-            from wcd.arenas.cuda import CudaBackend
-
+            try:
+                from wcd.arenas.cuda import CudaBackend
+            except ModuleNotFoundError as e:
+                if (e.name or "").partition(".")[0] != "cuda":
+                    raise
+                raise DeviceUnavailable(
+                    f"device {device!r} needs cuda-bindings, which is not installed: install the wcd-cuda "
+                    f"package, or wcd's cuda extra (pip install '{cuda_requirement()}') in its environment"
+                ) from None
             backend = CudaBackend()
         else:
             raise BadRequest(f"unknown device {device!r}: use \"cpu\", \"cuda:N\" or a GPU UUID (GPU-...)")
         _backends[kind] = backend
     return backend
+
+
+def cuda_requirement() -> str:
+    """The `cuda` extra's cuda-bindings requirement as the installed metadata states it, so that
+    pyproject.toml stays the one place that names the supported versions."""
+    from importlib import metadata
+
+    try:
+        requires = metadata.requires(DISTRIBUTION) or []
+    except metadata.PackageNotFoundError:
+        requires = []
+    for line in requires:
+        spec, _, marker = line.partition(";")
+        if spec.strip().startswith("cuda-bindings") and "cuda" in marker:
+            return spec.strip()
+    return "cuda-bindings"

@@ -21,7 +21,8 @@ from cuda.bindings import driver as cuda
 
 from wcd.arenas.base import Arena, ArenaBackend, ArenaWriter, DeviceInfo
 from wcd.arenas.cudrv import Gpu, format_uuid, resolve_gpu
-from wcd.errors import BadRequest, Internal, OutOfMemory
+from wcd.config import format_size
+from wcd.errors import BadRequest, DeviceUnavailable, Internal, OutOfMemory
 from wcd.manifest import align_up
 
 POSIX_FD = cuda.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
@@ -32,6 +33,8 @@ STAGING_BYTES = 4 << 20
 STAGING_BUFFERS = 2  # per loader thread: read into one while the other is being copied
 _SUCCESS = cuda.CUresult.CUDA_SUCCESS
 _BAD_DEVICE = (cuda.CUresult.CUDA_ERROR_INVALID_DEVICE, cuda.CUresult.CUDA_ERROR_NO_DEVICE)
+# cuda-bindings 12.9 (the cuda extra's range) runs on R525 and later drivers.
+_DRIVER_HINT = "install the NVIDIA driver (R525 or later), or use device \"cpu\""
 
 
 def _check(result: tuple[Any, ...], what: str) -> Any:
@@ -66,10 +69,11 @@ def gpus() -> tuple[Gpu, ...]:
     try:
         err, = cuda.cuInit(0)
     except Exception as e:  # noqa: BLE001 - cuda-bindings raises its own loader errors without a driver
-        raise Internal(f"CUDA driver not available ({e}); install the NVIDIA driver or use device \"cpu\"") from None
+        raise DeviceUnavailable(f"CUDA driver not available ({e}); {_DRIVER_HINT}") from None
     if err == cuda.CUresult.CUDA_ERROR_NO_DEVICE:  # e.g. CUDA_VISIBLE_DEVICES=""
         return ()
-    _check((err,), "cuInit")
+    if err != _SUCCESS:  # no driver, one too old for these bindings, no /dev/nvidia* access, ...
+        raise DeviceUnavailable(f"CUDA driver not usable (cuInit: {getattr(err, 'name', err)}); {_DRIVER_HINT}")
     out = []
     for i in range(_check(cuda.cuDeviceGetCount(), "cuDeviceGetCount")):
         dev = _check(cuda.cuDeviceGet(i), "cuDeviceGet")
@@ -335,7 +339,7 @@ class CudaBackend(ArenaBackend):
         try:
             handle = _check(cuda.cuMemCreate(size, _alloc_prop(gpu), 0), "cuMemCreate")
         except OutOfMemory:
-            raise OutOfMemory(f"{gpu.label} {gpu.uuid}: out of GPU memory for {size / 2**30:.2f} GiB ({label!r}); "
+            raise OutOfMemory(f"{gpu.label} {gpu.uuid}: out of GPU memory for {format_size(size)} ({label!r}); "
                               "evict entries or lower this device's budget") from None
         try:
             fd = int(_check(cuda.cuMemExportToShareableHandle(handle, POSIX_FD, 0), "cuMemExportToShareableHandle"))

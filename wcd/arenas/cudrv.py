@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from wcd.errors import BadRequest, Internal, OutOfMemory
+from wcd.errors import BadRequest, DeviceUnavailable, Internal, OutOfMemory
 
 _CUDA_N = re.compile(r"cuda(?::(\d+))?")
 # From cuda.h; stable across driver versions.
@@ -104,16 +104,19 @@ class Driver:
         try:
             lib = ctypes.CDLL(library)
         except OSError as e:
-            raise Internal(f"CUDA driver not available ({e}); install the NVIDIA driver or use device \"cpu\"") \
-                from None
+            raise DeviceUnavailable(f"CUDA driver not available ({e}); install the NVIDIA driver or use device "
+                                    "\"cpu\"") from None
         self._fn: dict[str, Any] = {}
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(lib, name, None)
             if fn is None:
-                raise Internal(f"the CUDA driver ({library}) has no {name}: it is too old for wcd (needs CUDA 12)")
+                raise DeviceUnavailable(f"the CUDA driver ({library}) has no {name}: it is too old for wcd "
+                                        "(needs CUDA 12)")
             fn.argtypes, fn.restype = argtypes, _int
             self._fn[name.removesuffix("_v2")] = fn
-        self._call("cuInit", "cuInit", 0)
+        err = self._fn["cuInit"](0)
+        if err != SUCCESS:
+            raise DeviceUnavailable(f"CUDA driver not usable (cuInit: error {err}); install the NVIDIA driver")
         self._gpus: tuple[Gpu, ...] | None = None
 
     def _call(self, name: str, what: str, *args: Any) -> None:

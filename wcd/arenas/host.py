@@ -12,6 +12,7 @@ import fcntl
 import mmap
 import os
 import threading
+import time
 
 from wcd.arenas.base import Arena, ArenaBackend, ArenaWriter, DeviceInfo
 from wcd.errors import BadRequest, Busy, OutOfMemory
@@ -87,12 +88,19 @@ class HostArena(Arena):
         return HostWriter(self._fd)
 
     def seal(self) -> None:
-        try:
-            fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, SEALS)
-        except OSError as e:
-            if e.errno == errno.EBUSY:
-                raise Busy("the arena is still mapped writable: drop every fill view before commit") from None
-            raise
+        """Seal against writes (in a worker thread: it scans the pages). EBUSY means a writable
+        mapping, or pages the kernel still holds for a moment after the publisher unmapped them
+        (per-CPU LRU batches: seen as a rare EBUSY right after a multi-threaded copy), so it is
+        tried a few times before the publisher is told to drop its views."""
+        for attempt in range(4):
+            try:
+                fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, SEALS)
+                return
+            except OSError as e:
+                if e.errno != errno.EBUSY:
+                    raise
+            time.sleep(0.05 * (attempt + 1))
+        raise Busy("the arena is still mapped writable: drop every fill view before commit")
 
     def read(self, offset: int, nbytes: int) -> bytes:
         return os.pread(self._fd, nbytes, offset)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import os
 import sys
+from collections.abc import Callable
 from typing import NoReturn
 
 
@@ -10,3 +13,25 @@ def die(prog: str, message: str, status: int) -> NoReturn:
     """One line on stderr, then exit: users see what went wrong, never a traceback."""
     print(f"{prog}: {message}", file=sys.stderr)
     raise SystemExit(status)
+
+
+def quiet_on_closed_pipe(main: Callable[..., int]) -> Callable[..., int]:
+    """`wcdctl list | head -1`: a reader that stops reading is the reader's choice, not an error.
+
+    Exits 0 with nothing on stderr. stdout is pointed at /dev/null first, so the interpreter's
+    final flush of what is still buffered does not fail again on the way out.
+    """
+
+    @functools.wraps(main)
+    def wrapper(*args: object, **kwargs: object) -> int:
+        try:
+            status = main(*args, **kwargs)
+            sys.stdout.flush()
+            return status
+        except BrokenPipeError:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+            return 0
+
+    return wrapper

@@ -7,14 +7,17 @@ import logging
 import sys
 from pathlib import Path
 
-from wcd.cli import die
+from wcd import __version__
+from wcd.cli import die, quiet_on_closed_pipe
 from wcd.errors import WcdError
 
 USAGE_ERROR = 2
 
 
+@quiet_on_closed_pipe
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="wcd", description="GPU weight cache daemon")
+    parser.add_argument("--version", action="version", version=f"wcd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the daemon")
     where = serve.add_mutually_exclusive_group(required=True)
@@ -31,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import torch  # noqa: F401
     except ImportError:
-        die("wcd demo", "needs torch on the engine side: pip install 'wcd[torch]' (the daemon itself does not)", 1)
+        die("wcd demo", "needs torch on the engine side: pip install torch, or '.[torch]' in a checkout "
+            "(the daemon itself does not)", 1)
     from wcd.demo import run_demo
 
     try:
@@ -51,7 +55,7 @@ def serve_main(args: argparse.Namespace) -> int:
         passed = systemd.listen_fds()
         # After a restart with weights parked in systemd's fd store, a configured checkpoint may
         # be gone on purpose: the daemon serves the kept copy and flags it in status.
-        restarted = any(name != systemd.SOCKET_NAME for _, name in passed)
+        restarted = bool(systemd.split_listener(passed)[1])
         config = load_config(path, args.instance, check_paths=not restarted)
         if args.socket is not None:
             config.daemon.socket = args.socket

@@ -1,7 +1,8 @@
 """`wcdctl`: inspect and steer a running daemon. Parsing and printing only.
 
 Exit codes: 0 ok, 1 the daemon replied with an error, 2 usage, 3 daemon unreachable. Every
-failure is one line on stderr; `--json` prints exactly one JSON document on stdout.
+failure is one line on stderr; `--json` prints exactly one JSON document on stdout. A reader
+that closes the pipe early (`wcdctl list | head -1`) ends the command quietly, with status 0.
 """
 
 from __future__ import annotations
@@ -13,27 +14,32 @@ import sys
 import time
 from typing import Any
 
-from wcd.cli import die
+from wcd import __version__
+from wcd.cli import die, quiet_on_closed_pipe
 from wcd.client import Client
-from wcd.config import format_size
+from wcd.config import format_progress, format_size
 from wcd.errors import DaemonUnavailable, PermissionDenied, WcdError
 
 PROG = "wcdctl"
 EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE = 1, 2, 3
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=PROG, description="Inspect and control a wcd daemon")
-    parser.add_argument("--socket", default=os.environ.get("WCD_SOCKET"),
-                        help="daemon socket (default: $WCD_SOCKET)")
-    parser.add_argument("--json", action="store_true", help="print one JSON document")
+def _parser() -> argparse.ArgumentParser:
+    # Global options go before or after the subcommand (`wcdctl --json list`, `wcdctl list
+    # --json`), as with systemctl: every subparser shares them. SUPPRESS keeps a subparser that
+    # did not see an option from overwriting what the main parser read (defaults are applied after
+    # parsing: set_defaults would change the shared option objects, and with them the subparsers).
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--socket", default=argparse.SUPPRESS, help="daemon socket (default: $WCD_SOCKET)")
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print one JSON document")
+    parser = argparse.ArgumentParser(prog=PROG, description="Inspect and control a wcd daemon", parents=[common])
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("status", help="daemon, devices, entries and loads in progress")
-    sub.add_parser("list", help="resident entries")
-    sub.add_parser("leases", help="live leases")
-    sub.add_parser("ping", help="round-trip time")
-    sub.add_parser("metrics", help="Prometheus metrics")
-    load = sub.add_parser("load", help="load a configured model, or a checkpoint path (root/daemon user)")
+    for cmd, text in (("status", "daemon, devices, entries and loads in progress"), ("list", "resident entries"),
+                      ("leases", "live leases"), ("ping", "round-trip time"), ("metrics", "Prometheus metrics")):
+        sub.add_parser(cmd, help=text, parents=[common])
+    load = sub.add_parser("load", help="load a configured model, or a checkpoint path (root/daemon user)",
+                          parents=[common])
     load.add_argument("name")
     load.add_argument("path", nargs="?")
     load.add_argument("--device")
@@ -41,8 +47,16 @@ def main(argv: list[str] | None = None) -> int:
     load.add_argument("--wait", action="store_true", help="return when the load is done")
     for cmd, text in (("evict", "drop an entry (after its leases end)"),
                       ("verify", "recompute an entry's content digest and compare")):
-        sub.add_parser(cmd, help=text).add_argument("name")
+        sub.add_parser(cmd, help=text, parents=[common]).add_argument("name")
+    return parser
+
+
+@quiet_on_closed_pipe
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
+    args.socket = getattr(args, "socket", None) or os.environ.get("WCD_SOCKET")
+    args.json = getattr(args, "json", False)
     if not args.socket:
         die(PROG, "no daemon socket: pass --socket PATH or set WCD_SOCKET (e.g. /run/wcd/NAME.sock)", EXIT_USAGE)
     try:
@@ -103,7 +117,8 @@ def _render(cmd: str, r: dict[str, Any]) -> str:
     if cmd == "list":
         return _entries(r["entries"])
     if cmd == "leases":
-        rows = [[str(x["id"]), x["entry"], x["kind"], str(x["pid"]), str(x["uid"]), f"{x['expires_in_s']:.1f}s" if x["expires_in_s"] is not None else "held by wcd"]
+        rows = [[str(x["id"]), x["entry"], x["kind"], str(x["pid"]), str(x["uid"]),
+                 f"{x['expires_in_s']:.1f}s" if x["expires_in_s"] is not None else "held by wcd"]
                 for x in r["leases"]]
         return _table(["LEASE", "ENTRY", "KIND", "PID", "UID", "EXPIRES IN"], rows) if rows else "no leases"
     if cmd == "ping":
@@ -127,7 +142,8 @@ def _status(r: dict[str, Any]) -> str:
              f"{len(r['entries'])} entries, {r['leases']} leases, {r['connections']} connections, "
              f"lease TTL {r['lease_ttl_s']:g}s", ""]
     lines.append(_table(["DEVICE", "NAME", "TOTAL", "FREE", "BUDGET", "USED BY WCD"], [
-        [d["device"], d["name"], format_size(d["total"]), format_size(d["free"]), format_size(d["budget"]), format_size(d["used"])]
+        [d["device"], d["name"], format_size(d["total"]), format_size(d["free"]), format_size(d["budget"]),
+         format_size(d["used"])]
         for d in r["devices"]]))
     lines += ["", _entries(r["entries"])]
     lines += [f"  {e['name']}: {note}" for e in r["entries"] for note in e.get("notes", [])]
@@ -142,10 +158,10 @@ def _entries(entries: list[dict[str, Any]]) -> str:
         state = e["state"]
         p = e["progress"]
         if state == "loading" and p["total"]:
-            state += f" {100 * p['done'] // p['total']}% {format_size(p['done'])}/{format_size(p['total'])}"
+            state += " " + format_progress(p["done"], p["total"])
         rows.append([e["name"], state, e["device"], format_size(e["bytes"]), str(e["tensors"]), str(e["leases"]),
-                     e["retention"], e["origin"]])
-    return _table(["ENTRY", "STATE", "DEVICE", "SIZE", "TENSORS", "LEASES", "RETENTION", "ORIGIN"], rows)
+                     e["retention"], e["origin"], _duration(e["idle_s"])])
+    return _table(["ENTRY", "STATE", "DEVICE", "SIZE", "TENSORS", "LEASES", "RETENTION", "ORIGIN", "IDLE"], rows)
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:

@@ -1,0 +1,65 @@
+"""`backend_for` on machines that cannot serve a GPU: one `device_unavailable` line saying what to
+install, never a ModuleNotFoundError or an `internal` error. No GPU or cuda-bindings needed: the
+missing or driverless bindings are simulated."""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Iterator
+from unittest import mock
+
+import pytest
+
+import wcd.arenas
+from wcd.arenas import backend_for, cuda_requirement
+from wcd.errors import DeviceUnavailable
+
+
+@pytest.fixture
+def fresh(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No backend chosen yet and wcd.arenas.cuda not imported, so each test imports it anew (and
+    the copy bound to fake bindings is gone afterwards)."""
+    monkeypatch.setattr(wcd.arenas, "_backends", {})
+    real = sys.modules.pop("wcd.arenas.cuda", None)
+    yield
+    sys.modules.pop("wcd.arenas.cuda", None)
+    if real is not None:
+        sys.modules["wcd.arenas.cuda"] = real
+        wcd.arenas.cuda = real  # type: ignore[attr-defined]
+    elif hasattr(wcd.arenas, "cuda"):
+        del wcd.arenas.cuda  # type: ignore[attr-defined]
+
+
+def test_the_cuda_extra_requirement_comes_from_the_installed_metadata() -> None:
+    # pyproject.toml's cuda extra is the one place naming the supported cuda-bindings releases.
+    assert cuda_requirement().replace(" ", "") in ("cuda-bindings<13,>=12.9.6", "cuda-bindings>=12.9.6,<13")
+
+
+@pytest.mark.usefixtures("fresh")
+def test_gpu_device_without_cuda_bindings_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "cuda", None)  # import cuda... -> ModuleNotFoundError
+    with pytest.raises(DeviceUnavailable) as e:
+        backend_for("cuda:0")
+    assert e.value.code == "device_unavailable"
+    assert "wcd-cuda package" in e.value.message and f"pip install '{cuda_requirement()}'" in e.value.message
+    assert backend_for("cpu").canonical("cpu") == "cpu"  # host memory is unaffected
+
+
+@pytest.mark.usefixtures("fresh")
+@pytest.mark.parametrize("cu_init", [
+    mock.Mock(side_effect=RuntimeError("Failed to dlopen libcuda.so.1")),  # bindings, no driver
+    mock.Mock(return_value=(mock.sentinel.CUDA_ERROR_INSUFFICIENT_DRIVER,)),  # a driver too old
+])
+def test_gpu_device_without_a_driver_says_install_the_driver(monkeypatch: pytest.MonkeyPatch,
+                                                             cu_init: mock.Mock) -> None:
+    driver = mock.MagicMock(name="cuda.bindings.driver")
+    driver.cuInit = cu_init
+    bindings = types.ModuleType("cuda.bindings")
+    bindings.driver = driver  # type: ignore[attr-defined]
+    package = types.ModuleType("cuda")
+    package.bindings = bindings  # type: ignore[attr-defined]
+    for name, module in (("cuda", package), ("cuda.bindings", bindings), ("cuda.bindings.driver", driver)):
+        monkeypatch.setitem(sys.modules, name, module)
+    with pytest.raises(DeviceUnavailable, match=r"CUDA driver not (available|usable) .*install the NVIDIA driver"):
+        backend_for("cuda:0").canonical("cuda:0")
