@@ -2,6 +2,7 @@
 # The device-machine session in two calls (each under the 10-minute limit), with `carry [".whl"]`:
 #   bash bench/device_run.sh tests    GPU tests + multi-GPU run (needs 2+ GPUs for the latter)
 #   bash bench/device_run.sh bench    the 32 GB side-by-side benchmark
+#   bash bench/device_run.sh attach   attach benchmark (1k/10k/100k tensors), GPU tests, plugin bind
 # Logs and JSON land in $OUT (the device tool brings them back).
 set -u
 cd "$(dirname "$0")/.."
@@ -10,6 +11,7 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+python3 -m compileall -q wcd /tmp/site >/dev/null  # as an installed package has: no compiling on the clock
 nvidia-smi -L | tee "$OUT/gpus.txt"; nproc; free -g | head -2
 case "${1:-tests}" in
   tests)
@@ -19,6 +21,16 @@ case "${1:-tests}" in
       timeout 280 python3 bench/multi_gpu.py --dir /tmp/wcd-multi --size-gb "${2:-4}" --out "$OUT/multi_gpu.json" \
         2>&1 | tee "$OUT/multi_gpu.log" | tail -60
     fi ;;
+  attach)
+    for mod in "cuda.bindings.driver" "wcd.arenas.cudrv"; do  # what mapping code costs to load, torch and CUDA up
+      python3 -c "import time, torch; torch.zeros(1, device='cuda'); t = time.perf_counter(); import $mod as m
+getattr(m, 'driver', lambda: None)() and m.driver().gpus(); print('$mod', round((time.perf_counter() - t) * 1e3, 2), 'ms')"
+    done 2>&1 | tee "$OUT/mapping-import.txt"
+    timeout 330 python3 bench/bench_attach.py --device cuda:0 --dir /tmp --out "$OUT/attach-h200.json" 2>&1 \
+      | tee "$OUT/attach-h200.log" | tail -12
+    timeout 170 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
+      | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" | cut -c1-300
+    timeout 60 python3 bench/bind_gpu.py --dir /tmp/wcd-bind 2>&1 | tee "$OUT/bind-gpu.log" | tail -8 ;;
   bench)
     timeout 560 python3 bench/bench_gpu.py --dir /tmp/wcd-bench-32 --size-gb "${2:-32}" --out "$OUT/bench_gpu.json" \
       2>&1 | tee "$OUT/bench_gpu.log" | grep -v "^\[bench\]" ;;

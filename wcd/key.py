@@ -16,12 +16,11 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
+from wcd.arenas.base import HOST_DEVICE
 from wcd.checkpoint import SAMPLE_BYTES, SAMPLES_PER_FILE, checkpoint_files, read_header
 
 Text = Annotated[str, StringConstraints(max_length=1024)]
 ShortText = Annotated[str, StringConstraints(max_length=256)]
-
-HOST_DEVICE = "cpu"
 
 
 class WeightCacheKey(BaseModel):

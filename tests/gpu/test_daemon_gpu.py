@@ -79,6 +79,7 @@ def test_engine_keeps_computing_after_the_daemon_is_sigkilled(make_daemon: Any, 
         assert (w.float() @ w.float().T).sum().item() == before
         assert all(same(lease.tensors[n], t) for n, t in expected.items())
     torch.cuda.synchronize()
+    c.close()
 
 
 def test_publish_module_from_gpu_rebinds_to_the_read_only_arena(make_daemon: Any) -> None:  # noqa: F811

@@ -9,9 +9,8 @@ available); `cuda:N` and GPU UUIDs are CUDA VMM allocations (`wcd.arenas.cuda`, 
 from __future__ import annotations
 
 from wcd import DISTRIBUTION
-from wcd.arenas.base import Arena, ArenaBackend, ArenaWriter, DeviceInfo
+from wcd.arenas.base import HOST_DEVICE, Arena, ArenaBackend, ArenaWriter, DeviceInfo
 from wcd.errors import BadRequest, DeviceUnavailable
-from wcd.key import HOST_DEVICE
 
 __all__ = ["Arena", "ArenaBackend", "ArenaWriter", "DeviceInfo", "backend_for", "is_gpu_device"]
 

@@ -9,6 +9,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+# The device name of host memory (sealed memfds); GPUs are "cuda:N" or a GPU UUID.
+HOST_DEVICE = "cpu"
+
 
 @dataclass(frozen=True)
 class DeviceInfo:

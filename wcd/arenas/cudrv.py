@@ -115,9 +115,11 @@ class Driver:
             fn.argtypes, fn.restype = argtypes, _int
             self._fn[name.removesuffix("_v2")] = fn
         err = self._fn["cuInit"](0)
-        if err != SUCCESS:
-            raise DeviceUnavailable(f"CUDA driver not usable (cuInit: error {err}); install the NVIDIA driver")
         self._gpus: tuple[Gpu, ...] | None = None
+        if err == ERROR_NO_DEVICE:  # e.g. CUDA_VISIBLE_DEVICES="": a driver, but no GPU visible
+            self._gpus = ()
+        elif err != SUCCESS:
+            raise DeviceUnavailable(f"CUDA driver not usable (cuInit: error {err}); install the NVIDIA driver")
 
     def _call(self, name: str, what: str, *args: Any) -> None:
         err = self._fn[name](*args)
