@@ -131,8 +131,8 @@ def engine_env(root: Path, socket: Path | None = None, multiprocess: bool = Fals
 class Engine:
     """One engine process: run to completion (`result`), or hold it alive (`hold_s`) to inspect the daemon."""
 
-    def __init__(self, spec: dict[str, Any], env: dict[str, str], log: Path) -> None:
-        self.spec, self.log_path = spec, log
+    def __init__(self, spec: dict[str, Any], env: dict[str, str], log: Path, label: str | None = None) -> None:
+        self.spec, self.log_path, self.label = spec, log, label
         self.log = open(log, "wb")  # noqa: SIM115 - closed in result()
         self.proc = subprocess.Popen([sys.executable, str(ENGINE), json.dumps(spec)], env=env, stdout=subprocess.PIPE,
                                      stderr=self.log, stdin=subprocess.PIPE)
@@ -156,7 +156,7 @@ class Engine:
             self.proc.wait(timeout=START_TIMEOUT_S)
             raise AssertionError(f"engine exited {self.proc.returncode} without a result:\n{self.full_log()[-4000:]}")
         self.result["log"] = self.full_log()
-        _record(self.result, self.spec, None)
+        _record(self.result, self.spec, self.label)
         return self.result
 
     def again(self) -> dict[str, Any]:
@@ -215,7 +215,7 @@ def run_engine(engine_root: Path) -> Iterator[Any]:
         if hold:
             spec.setdefault("hold_s", 120)
         engine = Engine(spec, engine_env(engine_root, socket, multiprocess),
-                        engine_root / f"engine-{count[0]}.log")
+                        engine_root / f"engine-{count[0]}.log", label)
         started.append(engine)
         if hold:
             return engine
