@@ -50,8 +50,8 @@ import types
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from wcd.key import WeightCacheKey
 from wcd.integrations.snapshot import SNAPSHOT_FORMAT
+from wcd.key import WeightCacheKey
 
 if TYPE_CHECKING:
     import torch
