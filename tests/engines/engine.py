@@ -5,14 +5,17 @@ the environment the test prepared (TMPDIR, VLLM_CACHE_ROOT, HF_HOME inside its t
 HF_HUB_OFFLINE=1, single-process mode unless the test asks otherwise):
 
     python tests/engines/engine.py '{"model": DIR, "runner": "pooling"|"generate", "load_format": "auto"|"wcd",
-                                     "extra": {...}, "dtype": "float32", "prompts": [...]}'
+                                     "extra": {...}, "dtype": "float32", "prompts": [...], "tp": 1,
+                                     "remove_vllm_names": ["module:attr", ...]}'
 
 The stdout line `RESULT {json}` carries: ok, timings (import_s, ready_s = LLM() constructor, i.e.
 engine start to ready), the wcd plugin's record of what it did (`wcd`), and the outputs:
 embeddings as hex of their float32 bytes (bit-exact comparison), or greedy token ids with the
 chosen tokens' logprobs and the top-k logprob dicts. With "hold_s", the process then prints
 HOLDING and keeps the engine alive that long (the test inspects the daemon's leases meanwhile);
-a line "again" on stdin reruns the workload and prints `AGAIN {json}`.
+a line "again" on stdin reruns the workload and prints `AGAIN {json}`. "tp" > 1 runs that many
+tensor-parallel worker processes; "remove_vllm_names" deletes those vLLM names after `import vllm`
+(what a vLLM release that moved them looks like to the plugin).
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ def main() -> int:
         from vllm import LLM
 
         result["import_s"] = time.perf_counter() - t0
+        for name in spec.get("remove_vllm_names", ()):
+            _remove(name)  # as if a vLLM release had moved it
         if spec.get("load_format") == "wcd" and not _entry_point_installed():
             # Without the pyproject entry point (vllm.general_plugins) vLLM cannot find the plugin;
             # in single-process mode registering it here is equivalent.
@@ -45,7 +50,13 @@ def main() -> int:
             kv_cache_memory_bytes=1 << 30, max_model_len=256, seed=0,
             load_format=spec.get("load_format", "auto"),
         )
-        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0":
+        tp = int(spec.get("tp", 1))
+        if tp > 1:
+            # One worker process per rank. vLLM's CPU backend binds each rank's threads to its own NUMA
+            # node by default and refuses when there are fewer nodes than ranks (one here): one core each.
+            kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
+        elif os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0":
             kwargs["distributed_executor_backend"] = "uni"
         if spec.get("runner"):
             kwargs["runner"] = spec["runner"]
@@ -129,6 +140,16 @@ def _time_model_loading(result: dict) -> None:
             result["load_model_s"] = time.perf_counter() - t
 
     CPUModelRunner.load_model = load_model
+
+
+def _remove(name: str) -> None:
+    """Delete `module:attr` from vLLM in this process, after vLLM's own loaders imported it (a vLLM that
+    lacks a name does not use it itself)."""
+    import importlib
+
+    importlib.import_module("vllm.model_executor.model_loader")
+    module, _, attr = name.partition(":")
+    delattr(importlib.import_module(module), attr)
 
 
 def _entry_point_installed() -> bool:

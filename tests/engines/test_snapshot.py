@@ -1,4 +1,5 @@
-"""The vLLM plugin's engine-independent core: snapshot -> publish -> attach -> bind, through a real daemon.
+"""The engine-independent core of the vLLM plugin (wcd.integrations.snapshot): snapshot -> publish -> attach
+-> bind, through a real daemon.
 
 Needs torch only (no vLLM), so it also runs in the dev venv (`make test`).
 """
@@ -9,15 +10,18 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from wcd.integrations.vllm import (  # noqa: E402
+from wcd.integrations.snapshot import (  # noqa: E402
     META_TENSOR,
-    Options,
+    SnapshotMismatch,
     bind,
     decode_meta,
     encode_meta,
     meta_leftovers,
+    publish_snapshot,
+    read_meta,
     snapshot,
 )
+from wcd.integrations.vllm import Options  # noqa: E402
 from wcd.key import WeightCacheKey  # noqa: E402
 
 
@@ -117,3 +121,21 @@ def test_options_are_validated(monkeypatch):
         Options.parse({"mode": "mmap"})
     with pytest.raises(ValueError, match="fallback"):
         Options.parse({"fallback": "maybe"})
+
+
+def test_publish_snapshot_then_read_meta_refuses_what_is_not_a_snapshot(make_daemon):
+    src, before = processed()
+    d = make_daemon()
+    with d.client() as c:
+        name, count = publish_snapshot(c, WeightCacheKey(model="tiny"), src, before=before, model_attrs={"flag": True})
+        assert count == 7
+        with c.acquire(name) as lease:
+            meta = read_meta(lease.entry, lease.tensors)
+            assert meta["model_attrs"] == {"flag": True}
+            with torch.device("meta"):
+                dst = Tiny()
+            bind(dst, lease.tensors, meta, copy=True)
+            assert dst.flag is True
+        raw = c.publish(WeightCacheKey(model="plain"), {"w": torch.zeros(4)})
+        with c.acquire(raw) as lease, pytest.raises(SnapshotMismatch, match="not a published snapshot"):
+            read_meta(lease.entry, lease.tensors)

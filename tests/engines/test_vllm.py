@@ -7,6 +7,7 @@ record of what it did (`wcd.integrations.vllm.last_load`) comes back in the resu
 
 from __future__ import annotations
 
+import re
 import time
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -199,3 +200,95 @@ def test_plugin_loads_through_the_entry_point_in_the_engine_core_process(make_da
         marker = "wcd: loaded weights from disk" if expected == "disk" else "wcd: attached processed weights"
         assert marker in r["log"], r["log"][-3000:]
         same_outputs(r, minilm_default)
+
+
+# -- the plugin can never break vLLM ----------------------------------------------------------------
+
+
+@pytest.fixture
+def plugin(monkeypatch: pytest.MonkeyPatch) -> Any:
+    from wcd.integrations import vllm as plugin
+
+    plugin.vllm_api.cache_clear()
+    yield plugin
+    monkeypatch.undo()
+    plugin.vllm_api.cache_clear()
+
+
+def test_every_vllm_name_the_plugin_relies_on_exists_in_the_tested_vllm(plugin):
+    import vllm
+
+    assert vllm.__version__ == plugin.TESTED_VLLM
+    api = plugin.vllm_api()  # raises IncompatibleVllm naming whatever is missing
+    assert set(plugin.REGISTRATION_NAMES) <= set(plugin.VLLM_NAMES)
+    for spec in plugin.VLLM_NAMES:
+        assert hasattr(api, spec.partition(":")[2].split(".")[0]), spec
+
+
+@pytest.mark.parametrize("name", ["vllm.model_executor.utils:weights_already_processed",
+                                  "vllm.model_executor.model_loader.base_loader:_has_online_quant"])
+def test_a_missing_vllm_name_is_one_line_naming_it_and_the_version(plugin, monkeypatch, name):
+    import importlib
+
+    module, _, attr = name.partition(":")
+    monkeypatch.delattr(importlib.import_module(module), attr)
+    with pytest.raises(plugin.IncompatibleVllm) as e:
+        plugin.vllm_api()
+    message = str(e.value)
+    assert f"vLLM {plugin.TESTED_VLLM} lacks {module}.{attr}" in message and "\n" not in message, message
+
+
+def test_auto_engines_start_whatever_the_plugin_misses(run_engine, minilm, minilm_default, tmp_path):
+    # A vLLM that moved a name only the wcd loader uses: registration does not touch it, auto engines
+    # start, and a wcd engine fails with one line naming it.
+    missing = ["vllm.model_executor.utils:weights_already_processed"]
+    auto = ok(run_engine(minilm_spec(minilm, remove_vllm_names=missing), label="default loader (name removed)"))
+    same_outputs(auto, minilm_default)
+    assert "wcd:" not in auto["log"]
+    r = run_engine(wcd(minilm_spec(minilm, remove_vllm_names=missing), socket=tmp_path / "none.sock"))
+    assert not r["ok"] and r["error"] == "IncompatibleVllm", r
+    assert "vLLM 0.32.0 lacks vllm.model_executor.utils.weights_already_processed" in r["message"], r["message"]
+    # A vLLM without the registration API itself: one warning, and auto engines still start.
+    missing = ["vllm.model_executor.model_loader:register_model_loader"]
+    auto = ok(run_engine(minilm_spec(minilm, remove_vllm_names=missing), label="default loader (no register API)"))
+    same_outputs(auto, minilm_default)
+    assert "wcd: load_format='wcd' is unavailable in vLLM 0.32.0" in auto["log"], auto["log"][-3000:]
+
+
+# -- tensor parallelism -----------------------------------------------------------------------------
+
+
+def worker_pids(log: str, marker: str) -> dict[int, int]:
+    """tp_rank -> pid of the worker processes whose log lines contain `marker`."""
+    return {int(rank): int(pid) for rank, pid in re.findall(r"\(Worker_TP(\d+) pid=(\d+)\)[^\n]*" + re.escape(marker),
+                                                            log)}
+
+
+def test_tensor_parallel_ranks_publish_and_attach_their_own_shards(make_daemon, run_engine, minilm):
+    d = make_daemon()
+    tp1 = ok(run_engine(wcd(minilm_spec(minilm), socket=d.socket)))
+    assert tp1["wcd"]["published"]
+
+    # TP=2: each rank computes its own key; the TP=1 entry differs in shard, so both read from disk.
+    first = ok(run_engine(wcd(minilm_spec(minilm, tp=2), socket=d.socket), label="wcd disk (TP=2)"))
+    assert sorted(worker_pids(first["log"], "wcd: loaded weights from disk")) == [0, 1], first["log"][-3000:]
+    assert first["log"].count("differs in shard") >= 1, first["log"][-3000:]
+    entries = {e["name"]: e for e in d.entries()}
+    ranks = {e["key"]["shard"]["tp_rank"]: e for e in entries.values() if e["key"]["shard"]["tp_size"] == 2}
+    assert sorted(ranks) == [0, 1] and len(entries) == 3
+    assert ranks[0]["bytes"] < entries[tp1["wcd"]["published"]]["bytes"]  # a shard, not the whole model
+
+    engine = run_engine(wcd(minilm_spec(minilm, tp=2), socket=d.socket), hold=True, label="wcd attach (TP=2)")
+    try:
+        second = ok(engine.wait_holding())
+        attached = worker_pids(second["log"], "wcd: attached processed weights from entry")
+        assert sorted(attached) == [0, 1], second["log"][-3000:]
+        for rank, pid in attached.items():
+            assert f"attached processed weights from entry {ranks[rank]['name']} " in second["log"]
+        leases = {x["entry"]: x["pid"] for x in d.leases()}
+        assert leases == {ranks[0]["name"]: attached[0], ranks[1]["name"]: attached[1]}, (leases, attached)
+        assert attached[0] != attached[1] and second["pid"] not in attached.values()
+    finally:
+        engine.stop()
+    same_outputs(second, first)  # TP=2 attached == TP=2 loaded from disk
+    assert len(d.entries()) == 3  # nothing published twice; the TP=1 entry was never attached by TP=2
