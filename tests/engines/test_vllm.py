@@ -283,7 +283,7 @@ def test_tensor_parallel_ranks_publish_and_attach_their_own_shards(make_daemon, 
         second = ok(engine.wait_holding())
         attached = worker_pids(second["log"], "wcd: attached processed weights from entry")
         assert sorted(attached) == [0, 1], second["log"][-3000:]
-        for rank, pid in attached.items():
+        for rank in attached:
             assert f"attached processed weights from entry {ranks[rank]['name']} " in second["log"]
         leases = {x["entry"]: x["pid"] for x in d.leases()}
         assert leases == {ranks[0]["name"]: attached[0], ranks[1]["name"]: attached[1]}, (leases, attached)

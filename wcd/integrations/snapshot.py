@@ -55,7 +55,7 @@ def snapshot(model: torch.nn.Module, before: Mapping[str, torch.Tensor] | None =
         if data.device.type == "meta":
             raise SnapshotMismatch(f"cannot publish {name}: it is still on the meta device")
         if not data.is_contiguous():
-            perm = sorted(range(data.dim()), key=lambda d: (-data.stride(d), -data.size(d)))
+            perm = sorted(range(data.dim()), key=lambda d: (-data.stride()[d], -data.shape[d]))
             if data.permute(perm).is_contiguous():
                 meta["permuted"][name] = perm
                 data = data.permute(perm)
@@ -78,7 +78,7 @@ def snapshot(model: torch.nn.Module, before: Mapping[str, torch.Tensor] | None =
 
 def state_before_processing(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Name -> tensor of every parameter and buffer: `snapshot`'s `before`, taken before post-processing."""
-    state = dict(model.named_parameters(remove_duplicate=False))
+    state: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     state.update((n, t) for n, t in model.named_buffers(remove_duplicate=False) if n not in state)
     return state
 
@@ -88,7 +88,7 @@ def encode_meta(meta: Mapping[str, Any]) -> torch.Tensor:
 
 
 def decode_meta(t: torch.Tensor) -> dict[str, Any]:
-    return json.loads(bytes(t.cpu().numpy().tobytes()).decode())  # type: ignore[no-any-return]
+    return json.loads(bytes(t.cpu().numpy().tobytes()).decode())
 
 
 def publish_snapshot(client: Client, key: WeightCacheKey, model: torch.nn.Module, *,

@@ -51,10 +51,8 @@ def from_pretrained(model_class: Any, path: str | Path, *, socket: str | None = 
     """
     started = time.perf_counter()
     folder = Path(path).resolve()
-    if isinstance(dtype, str) and dtype != "auto":
-        dtype = getattr(torch, dtype)
-    if dtype == "auto":
-        dtype = None
+    torch_dtype: torch.dtype | None = (None if dtype is None or dtype == "auto" else
+                                       getattr(torch, dtype) if isinstance(dtype, str) else dtype)
     fingerprint = fingerprint_checkpoint(folder)
     own_client = client is None
     reason = ""
@@ -78,13 +76,13 @@ def from_pretrained(model_class: Any, path: str | Path, *, socket: str | None = 
         if not fallback:
             raise NotFound(f"wcd: cannot attach {folder}: {reason}, and fallback=False")
         log.warning("wcd: loading %s from disk: %s", folder, reason)
-        kwargs = {"dtype": dtype} if dtype is not None else {}
+        kwargs = {"dtype": torch_dtype} if torch_dtype is not None else {}
         model = model_class.from_pretrained(str(folder), **kwargs, **config_kwargs)
         model._wcd = {"path": "disk", "reason": reason, "seconds": time.perf_counter() - started}
         return model
     assert client is not None
     try:
-        model, info = _build_and_attach(model_class, folder, lease, dtype, strict, config_kwargs)
+        model, info = _build_and_attach(model_class, folder, lease, torch_dtype, strict, config_kwargs)
     except BaseException:
         lease.release()
         if own_client:
@@ -156,7 +154,7 @@ def params_on_meta() -> Iterator[None]:
             kwargs["requires_grad"] = p.requires_grad
             module._parameters[name] = type(p)(p.to("meta"), **kwargs)
 
-    torch.nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    torch.nn.Module.register_parameter = register_parameter  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:

@@ -9,15 +9,16 @@ engine with one line naming the vLLM version and the missing names; every other 
 
 Options come through `--model-loader-extra-config` / `model_loader_extra_config`:
 
-| key | default | meaning |
-|---|---|---|
-| `socket` | `$WCD_SOCKET` | the daemon's socket (`socket_path` is accepted too) |
-| `mode` | `zero_copy` | `zero_copy`: parameters are views of the daemon's arena (the lease lives as long as the engine); `copy`: clone them into engine memory and end the lease |
-| `fallback` | `true` | load from disk when the daemon is absent or holds neither processed nor raw weights; `false` makes that an error |
-| `publish` | `true` | after a raw or disk load, publish the processed weights so the next start attaches |
-| `entry` | auto | name of the daemon entry holding the raw checkpoint (default: any ready raw entry whose checkpoint fingerprint matches) |
-| `retention` | `cached` | retention of published entries (`cached`, `ephemeral`, `pinned`) |
-| `timeout_s` | `600` | how long to wait for an entry the daemon is still loading or filling |
+- `socket` (default `$WCD_SOCKET`): the daemon's socket (`socket_path` is accepted too).
+- `mode` (`zero_copy`): `zero_copy` makes parameters views of the daemon's arena (the lease lives as
+  long as the engine); `copy` clones them into engine memory and ends the lease.
+- `fallback` (`true`): load from disk when the daemon is absent or holds neither processed nor raw
+  weights; `false` makes that an error.
+- `publish` (`true`): after a raw or disk load, publish the processed weights so the next start attaches.
+- `entry` (auto): name of the daemon entry holding the raw checkpoint (default: any ready raw entry
+  whose checkpoint fingerprint matches).
+- `retention` (`cached`): retention of published entries (`cached`, `ephemeral`, `pinned`).
+- `timeout_s` (`600`): how long to wait for an entry the daemon is still loading or filling.
 
 Three paths, chosen automatically, logged on the `vllm.wcd` logger and recorded in `last_load`:
 
@@ -266,8 +267,9 @@ def processed_key(vllm_config: VllmConfig, model_config: ModelConfig, device: to
 
     hf_config = model_config.hf_config
     quant_cfg = getattr(hf_config, "quantization_config", None)  # absent on unquantized checkpoints
-    if hasattr(quant_cfg, "to_dict"):
-        quant_cfg = quant_cfg.to_dict()
+    to_dict = getattr(quant_cfg, "to_dict", None)
+    if to_dict is not None:
+        quant_cfg = to_dict()
     quant = model_config.quantization or "none"
     extra = {
         "engine": f"vllm {vllm.__version__}",

@@ -196,7 +196,7 @@ class WcdModelLoader(BaseModelLoader):
         else:
             # The engine's weights are views of the lease's mapping: keep the lease (and the client
             # whose thread heartbeats it) alive exactly as long as the model.
-            model._wcd_lease = lease  # type: ignore[assignment]
+            model._wcd_lease = lease
             weakref.finalize(model, lease.client.close)  # the client heartbeats the lease
         seconds = time.perf_counter() - started
         last_load.update(path="attach", entry=lease.entry, tensors=len(meta["kinds"]), bytes=nbytes, load_s=seconds,
@@ -269,7 +269,7 @@ class WcdModelLoader(BaseModelLoader):
         unused = getattr(model, "is_unused_checkpoint_weight", None)
         items = ((n, t) for n, t in tensors.items() if unused is None or not unused(n))
         t0 = time.perf_counter()
-        loaded = model.load_weights(items)
+        loaded = model.load_weights(items)  # type: ignore[operator]  # vLLM models define it; nn.Module does not
         del tensors
         log.debug("wcd: fed %s to load_weights in %.3f s", lease.entry, time.perf_counter() - t0)
         if model_config.quantization is None and loaded is not None:
