@@ -11,11 +11,16 @@ never touches. Operations that free memory return the entries they dropped; the 
 - A lease lives until released, expired (no heartbeat within the TTL) or its owner (the
   connection) goes away. A fill lease that ends before commit drops its entry at once.
 - `ephemeral` entries are dropped when their last read lease ends.
+- A fill lease's TTL starts when its holder is told its id (`handed_out`), not when the arena
+  allocation it waits for begins: a large allocation cannot expire it unseen.
+- Every entry carries its publisher's uid (the daemon's for its own loads). Only admins evict
+  what they did not publish, and pin.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
@@ -23,7 +28,7 @@ from datetime import datetime, timezone
 from typing import Any, Literal
 
 from wcd.config import format_size
-from wcd.errors import BadRequest, Busy, KeyMismatch, LeaseExpired, NotFound, OutOfMemory
+from wcd.errors import BadRequest, Busy, KeyMismatch, LeaseExpired, NotFound, OutOfMemory, PermissionDenied
 from wcd.key import WeightCacheKey
 from wcd.manifest import Manifest
 
@@ -60,6 +65,7 @@ class Entry:
     done_bytes: int = 0  # load progress
     acquires: int = 0
     notes: list[str] = field(default_factory=list)  # shown in status, e.g. "checkpoint missing"
+    publisher: int | None = None  # uid whose bytes these are: the daemon's for its loads
 
     @property
     def device(self) -> str:
@@ -81,7 +87,8 @@ class Entry:
             "leases": len(self.leases),
             "retention": self.retention,
             "origin": self.origin,
-            "tensors": len(self.manifest.tensors),
+            "publisher_uid": self.publisher,
+            "tensors": len(self.manifest),
             "progress": {"done": self.done_bytes, "total": self.manifest.nbytes},
             "acquires": self.acquires,
             "notes": self.notes,
@@ -136,7 +143,7 @@ class Cache:
 
     def admit(
         self, name: str, key: WeightCacheKey, manifest: Manifest, nbytes: int, retention: Retention,
-        origin: Origin,
+        origin: Origin, publisher: int | None = None,
     ) -> tuple[Entry, list[Entry]]:
         """Create an entry (state `loading`, or `filling` for publishes) charged to its device.
 
@@ -153,7 +160,7 @@ class Cache:
         victims = self._make_room(device, nbytes)
         now = self.clock()
         state: State = "filling" if origin == "publish" else "loading"
-        entry = Entry(name, key, manifest, nbytes, retention, origin, state, now, now)
+        entry = Entry(name, key, manifest, nbytes, retention, origin, state, now, now, publisher=publisher)
         self.entries[name] = entry
         for v in victims:
             self._drop(v)
@@ -185,6 +192,15 @@ class Cache:
                 {"device": device, "need": nbytes, "budget": budget, "held": held},
             )
         return victims
+
+    def check_evict(self, entry: Entry, uid: int, admin: bool) -> None:
+        """`PermissionDenied` unless the peer may evict `entry`: admins any, others only what they published."""
+        if admin or (entry.origin == "publish" and entry.publisher == uid and entry.retention != "pinned"):
+            return
+        whose = "a configured or loaded model" if entry.origin != "publish" else f"published by uid {entry.publisher}"
+        raise PermissionDenied(
+            f"uid {uid} may not evict {entry.name!r} ({whose}, {entry.retention}): only admins evict what they "
+            "did not publish (admin_uids / admin_groups in the daemon's config)", {"entry": entry.name, "uid": uid})
 
     def evict(self, entry: Entry) -> list[Entry]:
         """Drop an entry now, or mark it `evicting` until its leases end (loads are cancelled)."""
@@ -233,8 +249,13 @@ class Cache:
         self, name: str, key: WeightCacheKey, manifest: Manifest, nbytes: int, retention: Retention,
         owner: Hashable, pid: int = 0, uid: int = 0,
     ) -> tuple[Entry, Lease, list[Entry]]:
-        entry, victims = self.admit(name, key, manifest, nbytes, retention, "publish")
-        return entry, self._new_lease(entry, "fill", owner, pid, uid), victims
+        """Admit a published entry with a fill lease whose TTL starts at `handed_out`."""
+        entry, victims = self.admit(name, key, manifest, nbytes, retention, "publish", publisher=uid)
+        return entry, self._new_lease(entry, "fill", owner, pid, uid, math.inf), victims
+
+    def handed_out(self, lease: Lease) -> None:
+        """Its holder is being told the lease's id: the heartbeat TTL runs from now."""
+        lease.expires_at = self.clock() + self.lease_ttl_s
 
     def _new_lease(self, entry: Entry, kind: LeaseKind, owner: Hashable, pid: int, uid: int,
                    ttl_s: float | None = None) -> Lease:

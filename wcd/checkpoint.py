@@ -98,6 +98,13 @@ def read_header(file: Path) -> Header:
             raise LoadFailed(f"{file}: tensor {name!r} extends past the end of the file (truncated?)")
         tensors.append(StoredTensor(name, dtype, shape, data_start + begin, data_start + end))
     tensors.sort(key=lambda t: t.begin)
+    reach: StoredTensor | None = None  # the tensor with data reaching furthest so far
+    for t in tensors:  # no two tensors with data may share a byte (safetensors refuses that too)
+        if t.end > t.begin:
+            if reach is not None and t.begin < reach.end:
+                raise LoadFailed(f"{file}: tensors {reach.name!r} and {t.name!r} overlap (data_offsets)")
+            if reach is None or t.end > reach.end:
+                reach = t
     return Header(file, raw, data_start, file_size, tuple(tensors))
 
 

@@ -17,11 +17,12 @@ import itertools
 import logging
 import os
 import socket
+import struct
 import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 from wcd import __version__, wire
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("wcd.client")
 
 _ANC = socket.CMSG_SPACE(wire.MAX_FDS_PER_FRAME * 4)
+_PEERCRED = struct.Struct("3i")
 
 
 def default_socket() -> str:
@@ -60,6 +62,9 @@ class Lease:
         self.id: int = reply["lease"]
         self.entry: str = reply["entry"]
         self._key_wire = reply["key"]
+        # Whose bytes these are: the daemon's own loads ("config"/"load") or a publisher's uid.
+        self.origin: str | None = reply.get("origin")
+        self.publisher_uid: int | None = reply.get("publisher_uid")
         self.manifest = validated_manifest(reply["manifest"])
         self.arena: dict[str, Any] = reply["arena"]
         self.lost = False  # set when a heartbeat finds the daemon no longer holds this lease
@@ -139,12 +144,21 @@ class FillLease(Lease):
 
 
 class Client:
-    """A connection to one daemon. `Client()` uses $WCD_SOCKET."""
+    """A connection to one daemon. `Client()` uses $WCD_SOCKET.
+
+    `server_uid` (a uid or several) is who must serve the socket, checked with SO_PEERCRED before
+    anything is sent: a socket in a directory others can write to may have been swapped for
+    theirs. A socket-activated daemon's listener belongs to root (systemd), so include 0 there.
+    None (default) checks nothing; `wcd.integrations.trust.server_uids()` is what integrations use.
+    """
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, name: str = "",
-                 timeout: float | None = None, heartbeats: bool = True) -> None:
+                 timeout: float | None = None, heartbeats: bool = True,
+                 server_uid: int | Collection[int] | None = None) -> None:
         self.path = os.fspath(path) if path is not None else default_socket()
         self.name = name or f"wcd-client {__version__} pid {os.getpid()}"
+        self._server_uids = None if server_uid is None else (
+            frozenset([server_uid]) if isinstance(server_uid, int) else frozenset(server_uid))
         self._timeout = timeout
         self._ids = itertools.count(1)
         self._send_lock = threading.RLock()  # reentrant: a reconnect sends hello while holding it
@@ -176,6 +190,15 @@ class Client:
         except OSError as e:
             sock.close()
             raise DaemonUnavailable(f"cannot connect to {self.path}: {e.strerror}") from None
+        pid, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        if self._server_uids is not None and uid not in self._server_uids:
+            sock.close()
+            expected = " or ".join(map(str, sorted(self._server_uids)))
+            raise PermissionDenied(
+                f"{self.path} is served by uid {uid} (pid {pid}), not by uid {expected}: refusing to talk to it "
+                "(if that is your daemon, pass server_uid= or set WCD_SERVER_UID)",
+                {"stage": "server", "uid": uid, "expected": sorted(self._server_uids)})
+        self.server_pid, self.server_uid = pid, uid  # of the listening socket's owner (systemd when socket-activated)
         self.sock = sock
         try:
             self.server = self.request("hello", versions=list(wire.SUPPORTED_VERSIONS), client=self.name)

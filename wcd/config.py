@@ -8,8 +8,11 @@ anything or touches devices: fractions like "90%" are resolved later against dev
 from __future__ import annotations
 
 import grp
+import os
+import pwd
 import re
 import sys
+from collections.abc import Collection
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -89,14 +92,29 @@ Size = Annotated[StrictInt | str, Field(union_mode="left_to_right")]
 
 
 class DaemonConfig(BaseModel):
+    """`[daemon]`. Roles (DESIGN §10): every allowed peer reads and publishes (its entries carry
+    its uid); admins (root, the daemon's own uid, `admin_uids`, members of `admin_groups`) also
+    load, evict configured or others' entries, and pin."""
+
     model_config = ConfigDict(extra="forbid")
 
     socket: Path | None = None
     lease_ttl_s: Annotated[float, Field(gt=0.05, le=3600)] = 30.0
     allowed_uids: list[Annotated[int, Field(ge=0)]] = []
     allowed_groups: list[str] = []
+    # Admins besides root and the daemon's own uid (uids, and groups by name, primary or supplementary).
+    admin_uids: list[Annotated[int, Field(ge=0)]] = []
+    admin_groups: list[str] = []
+    # Publishers whose entries integrations accept besides their own uid and the daemon's; sent to
+    # clients in hello (at most 1024 uids).
+    trusted_publishers: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=1024)] = []
     budget: dict[str, Size] = {}
     load_workers: Annotated[int, Field(ge=1, le=256)] | None = None
+    # Entries hashed at once (verify, the digest after a commit), 1..64; others queue in their own
+    # pool, never in front of short work (allocations, seals, manifests). Read at start-up.
+    digest_workers: Annotated[int, Field(ge=1, le=64)] = 2
+    # verify requests in flight per uid, 1..1024; more are answered busy.
+    max_verifies_per_uid: Annotated[int, Field(ge=1, le=1024)] = 8
     max_connections: Annotated[int, Field(ge=1, le=65536)] = 1024
     # "host:port" (IPv6 as "[::1]:9464") serving GET /metrics over HTTP; off when unset.
     metrics_listen: str | None = None
@@ -121,7 +139,7 @@ class DaemonConfig(BaseModel):
     def metrics_address(self) -> tuple[str, int] | None:
         return None if self.metrics_listen is None else parse_host_port(self.metrics_listen)
 
-    @field_validator("allowed_groups")
+    @field_validator("allowed_groups", "admin_groups")
     @classmethod
     def _groups(cls, v: list[str]) -> list[str]:
         for name in v:
@@ -133,6 +151,21 @@ class DaemonConfig(BaseModel):
 
     def allowed_gids(self) -> set[int]:
         return {grp.getgrnam(name).gr_gid for name in self.allowed_groups}
+
+    def is_admin(self, uid: int, gids: Collection[int], daemon_uid: int) -> bool:
+        """Whether a peer with `uid` in groups `gids` is an admin of a daemon running as `daemon_uid`."""
+        if uid in (0, daemon_uid) or uid in self.admin_uids:
+            return True
+        return bool(self.admin_groups) and not {grp.getgrnam(n).gr_gid for n in self.admin_groups}.isdisjoint(gids)
+
+
+def peer_gids(uid: int, gid: int) -> set[int]:
+    """A peer's groups: its primary `gid` (from SO_PEERCRED) and its user's groups (an NSS lookup)."""
+    try:
+        user = pwd.getpwuid(uid)
+    except KeyError:
+        return {gid}
+    return {gid, *os.getgrouplist(user.pw_name, user.pw_gid)}
 
 
 class ModelConfig(BaseModel):

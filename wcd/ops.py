@@ -4,6 +4,8 @@
 per-connection limit on requests in flight, runs the handler and turns its failure into an error
 reply. Handlers take cache decisions from `wcd.cache` and leave every arena operation to
 `wcd.residency`: they must not do arena I/O themselves, nor touch sockets beyond `Connection.send`.
+Roles (DESIGN §10) are checked here: readers read, publishers publish entries that carry their
+uid (never as a raw checkpoint), admins (`DaemonConfig.is_admin`) load, evict others' entries, pin.
 """
 
 from __future__ import annotations
@@ -14,19 +16,22 @@ import inspect
 import logging
 import math
 import os
+import re
 import time
+import weakref
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from wcd import __version__, protocol
 from wcd.arenas import backend_for
 from wcd.cache import Lease
-from wcd.config import format_size
+from wcd.config import format_size, peer_gids
 from wcd.connection import Connection, close_fds
 from wcd.errors import BadRequest, Busy, Internal, NotFound, PermissionDenied, UnsupportedVersion, WcdError
-from wcd.key import HOST_DEVICE
+from wcd.key import HOST_DEVICE, WeightCacheKey
 from wcd.manifest import Manifest
 from wcd.metrics import Metrics
 from wcd.residency import Residency
@@ -35,6 +40,8 @@ from wcd.state import ServerState
 log = logging.getLogger("wcd")
 
 MAX_INFLIGHT = 64  # concurrent slow requests (acquire, load, ...) per connection
+RAW = "raw"  # the transform of checkpoints as the daemon loads them; never published
+_CONTROL_CHAR = re.compile(r"[\x00-\x1f\x7f]")
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,26 @@ class Context:
     state: ServerState
     residency: Residency
     metrics: Metrics
+    # A peer's groups, looked up (NSS) once per connection and only when admin_groups asks.
+    peer_groups: weakref.WeakKeyDictionary[Connection, set[int]] = field(default_factory=weakref.WeakKeyDictionary)
+    verifying: Counter[int] = field(default_factory=Counter)  # verify requests in flight per uid
+
+    def is_admin(self, conn: Connection) -> bool:
+        daemon = self.state.config.daemon
+        if daemon.is_admin(conn.uid, (), os.getuid()):
+            return True
+        if not daemon.admin_groups:
+            return False
+        gids = self.peer_groups.get(conn)
+        if gids is None:
+            gids = self.peer_groups[conn] = peer_gids(conn.uid, conn.gid)
+        return daemon.is_admin(conn.uid, gids, os.getuid())
+
+    def require_admin(self, conn: Connection, what: str) -> None:
+        if not self.is_admin(conn):
+            raise PermissionDenied(
+                f"{what} needs an admin: uid {conn.uid} is not root, the daemon's user, in admin_uids or in a "
+                "group of admin_groups (the daemon's config)", {"uid": conn.uid})
 
 
 # -- answered at once, on the loop ----------------------------------------------------------
@@ -60,8 +87,9 @@ def hello(ctx: Context, conn: Connection, req: protocol.Hello) -> None:
     conn.send(protocol.ok(
         req.id, version=common[-1], server=f"wcd {__version__}", instance=ctx.state.instance,
         features=["host-arenas", "publish", "verify", "metrics"] + (["cuda-arenas"] if gpus else []),
-        lease_ttl_s=ctx.state.config.daemon.lease_ttl_s, pid=os.getpid(),
-        peer={"pid": conn.pid, "uid": conn.uid, "gid": conn.gid}))
+        lease_ttl_s=ctx.state.config.daemon.lease_ttl_s, pid=os.getpid(), uid=os.getuid(),
+        trusted_publishers=ctx.state.config.daemon.trusted_publishers,
+        peer={"pid": conn.pid, "uid": conn.uid, "gid": conn.gid, "admin": ctx.is_admin(conn)}))
 
 
 def ping(ctx: Context, conn: Connection, req: protocol.Ping) -> None:
@@ -88,12 +116,14 @@ def list_entries(ctx: Context, conn: Connection, req: protocol.ListEntries) -> N
 
 
 def leases(ctx: Context, conn: Connection, req: protocol.Leases) -> None:
+    """Every lease for admins; a peer's own (by uid) for the others: pids and uids are not theirs to see."""
     cache = ctx.state.cache
     now = cache.clock()
+    everyone = ctx.is_admin(conn)
     conn.send(protocol.ok(req.id, leases=[
         {"id": lease.id, "entry": lease.entry.name, "kind": lease.kind, "pid": lease.pid, "uid": lease.uid,
          "expires_in_s": round(lease.expires_at - now, 3) if math.isfinite(lease.expires_at) else None}
-        for lease in cache.leases.values()]))
+        for lease in cache.leases.values() if everyone or lease.uid == conn.uid]))
 
 
 def heartbeat(ctx: Context, conn: Connection, req: protocol.Heartbeat) -> None:
@@ -112,6 +142,7 @@ def abort(ctx: Context, conn: Connection, req: protocol.Abort) -> None:
 
 def evict(ctx: Context, conn: Connection, req: protocol.Evict) -> None:
     entry = ctx.state.cache.find(ctx.residency.resolve(req.target()))
+    ctx.state.cache.check_evict(entry, conn.uid, ctx.is_admin(conn))
     dropped = ctx.residency.evict(entry)
     conn.send(protocol.ok(req.id, entry=entry.name, state="evicted" if dropped else entry.state,
                           leases=len(entry.leases)))
@@ -138,31 +169,42 @@ async def acquire(ctx: Context, conn: Connection, req: protocol.Acquire) -> None
 
 
 async def reserve(ctx: Context, conn: Connection, req: protocol.Reserve) -> None:
-    key = req.key.model_copy(update={"device": ctx.residency.canonical_device(req.key.device)})
+    _check_publishable(ctx, conn, req.key, req.retention)
+    key = req.key.model_copy(update={"device": ctx.residency.canonical_device(req.key.device, from_peer=True)})
     manifest = await asyncio.to_thread(_reserved_manifest, req.tensors, conn.version)
     name = f"{key.model}#{key.digest()[:8]}"
-    lease = await ctx.residency.reserve(name, key, manifest, req.retention, conn, conn.pid, conn.uid)
-    if lease is not None:  # None: the publisher vanished meanwhile
-        _send_lease(ctx, conn, req.id, lease)
+    _send_lease(ctx, conn, req.id, await ctx.residency.reserve(name, key, manifest, req.retention, conn,
+                                                               conn.pid, conn.uid))
+
+
+def _check_publishable(ctx: Context, conn: Connection, key: WeightCacheKey, retention: str) -> None:
+    """A published entry is never a raw checkpoint (those come only from the daemon's own loads, so
+    no peer can plant bytes under a checkpoint's fingerprint), and only admins pin."""
+    if key.transform == RAW:
+        raise PermissionDenied(
+            f"transform {RAW!r} is reserved for checkpoints the daemon loads itself: publish under your own "
+            "transform tag (e.g. 'vllm-0.9/fp8'), or ask an admin to load the checkpoint", {"transform": RAW})
+    if _CONTROL_CHAR.search(key.model):
+        raise BadRequest(f"key.model {key.model!r:.80} holds control characters")
+    if retention == "pinned":
+        ctx.require_admin(conn, "publishing a pinned entry")
 
 
 async def commit(ctx: Context, conn: Connection, req: protocol.Commit) -> None:
     entry = await ctx.residency.commit(conn, req.lease)
-    log.info("published %s (%s, %d tensors, pid %d)", entry.name, format_size(entry.manifest.nbytes),
-             len(entry.manifest.tensors), conn.pid)
+    log.info("published %s (%s, %d tensors, pid %d, uid %d)", entry.name, format_size(entry.manifest.nbytes),
+             len(entry.manifest), conn.pid, conn.uid)
     conn.send(protocol.ok(req.id, entry=entry.name))
 
 
 async def load(ctx: Context, conn: Connection, req: protocol.Load) -> None:
+    ctx.require_admin(conn, "load")
     if req.path is None:
         model = next((m for m in ctx.state.config.models if m.name == req.name), None)
         if model is None:
             raise NotFound(f"no configured model named {req.name!r}; give a path to load an unconfigured one")
         path, device, retention = model.path, req.device or model.device, req.retention or model.retention
     else:
-        if conn.uid not in (0, os.getuid()):
-            raise PermissionDenied("loading an arbitrary path needs root or the daemon's own user; "
-                                   "configure the model instead")
         path, device, retention = Path(req.path), req.device or HOST_DEVICE, req.retention or "cached"
     entry = ctx.state.cache.entries.get(req.name)
     if entry is None:
@@ -177,13 +219,24 @@ async def load(ctx: Context, conn: Connection, req: protocol.Load) -> None:
 
 async def verify(ctx: Context, conn: Connection, req: protocol.Verify) -> None:
     entry = ctx.state.cache.find(ctx.residency.resolve(req.target()))
-    actual, expected, source = await ctx.residency.verify(entry)
+    limit = ctx.state.config.daemon.max_verifies_per_uid
+    if ctx.verifying[conn.uid] >= limit:
+        raise Busy(f"uid {conn.uid} has {limit} verify requests in flight (max_verifies_per_uid); "
+                   "wait for one to finish", {"limit": limit})
+    ctx.verifying[conn.uid] += 1
+    try:
+        actual, expected, source = await ctx.residency.verify(entry)
+    finally:
+        ctx.verifying[conn.uid] -= 1
+        if not ctx.verifying[conn.uid]:
+            del ctx.verifying[conn.uid]
     mismatched = sorted(n for n in set(actual) | set(expected) if actual.get(n) != expected.get(n))
     total = hashlib.blake2b(digest_size=16)
     for name in sorted(actual):
         total.update(name.encode() + b"\0" + bytes.fromhex(actual[name]))
     conn.send(protocol.ok(req.id, entry=entry.name, match=not mismatched, against=source,
-                          digest=total.hexdigest(), tensors=len(actual), mismatched=mismatched[:50]))
+                          publisher_uid=entry.publisher, digest=total.hexdigest(), tensors=len(actual),
+                          mismatched=mismatched[:50]))
 
 
 def _reserved_manifest(rows: list[tuple[str, str, list[int]]], version: int) -> Manifest:
@@ -195,8 +248,10 @@ def _reserved_manifest(rows: list[tuple[str, str, list[int]]], version: int) -> 
 
 def _send_lease(ctx: Context, conn: Connection, req_id: int, lease: Lease) -> None:
     entry, arena = lease.entry, lease.entry.arena
+    ctx.state.cache.handed_out(lease)
     conn.send(protocol.ok(
         req_id, lease=lease.id, kind=lease.kind, entry=entry.name, key=entry.key.model_dump(),
+        origin=entry.origin, publisher_uid=entry.publisher,
         manifest=entry.manifest.wire(conn.version), ttl_s=ctx.state.cache.lease_ttl_s,
         arena={"kind": arena.kind, "size": arena.size, "device": arena.device}), [arena.fd()])
 

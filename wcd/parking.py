@@ -35,6 +35,7 @@ class ParkedEntry:
     origin: Origin
     arena_kind: str
     arena_size: int
+    publisher: int | None  # the publisher's uid (published entries); older records lack it
 
 
 def fd_names(key: WeightCacheKey) -> tuple[str, str]:
@@ -48,7 +49,7 @@ def record_memfd(entry: Entry) -> int:
     body = msgpack.packb({
         "v": RECORD_VERSION, "name": entry.name, "key": entry.key.model_dump(),
         "manifest": entry.manifest.to_wire(), "retention": entry.retention, "origin": entry.origin,
-        "arena": {"kind": entry.arena.kind, "size": entry.arena.size},
+        "arena": {"kind": entry.arena.kind, "size": entry.arena.size}, "publisher": entry.publisher,
     }, use_bin_type=True)
     fd = os.memfd_create(f"wcd-record:{entry.name}"[:249], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
@@ -78,6 +79,7 @@ def parse_record(fd: int) -> ParkedEntry:
             name=str(rec["name"]), key=WeightCacheKey.model_validate(rec["key"]),
             manifest=Manifest.from_wire(rec["manifest"]), retention=cast(Retention, str(rec["retention"])),
             origin=cast(Origin, str(rec["origin"])), arena_kind=str(arena["kind"]), arena_size=int(arena["size"]),
+            publisher=rec.get("publisher"),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise BadRequest(f"record is incomplete ({e})") from None
@@ -85,4 +87,6 @@ def parse_record(fd: int) -> ParkedEntry:
         raise BadRequest("record has an unknown retention or origin")
     if parked.arena_size < parked.manifest.size:
         raise BadRequest("record's arena is smaller than its manifest")
+    if parked.origin == "publish" and type(parked.publisher) is not int:
+        raise BadRequest("record of a published entry does not say who published it (from an older wcd)")
     return parked

@@ -4,6 +4,12 @@ The one place that turns the cache's decisions (`wcd.cache`) into arena I/O: it 
 fills, seals, digests and closes arenas (in worker threads, never on the loop), parks ready
 arenas in systemd's fd store and re-adopts them at start-up. Must not parse requests or touch
 client sockets; its background work runs in tasks the server owns (`spawn`).
+
+Worker threads come from pools per kind of work, so a flood of long jobs never delays a short
+one: digests (verify, the digest after a commit) and fills each have their own pool; short jobs
+(allocations, seals, headers, closes) use the loop's default executor. Every job that touches
+an arena holds it (`Arena.in_use`), so no arena is closed under a worker; an allocation whose
+waiter was cancelled is closed when the worker finishes.
 """
 
 from __future__ import annotations
@@ -14,15 +20,16 @@ import math
 import os
 import time
 from collections.abc import Callable, Coroutine, Iterable
+from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from wcd import parking, systemd
-from wcd.arenas import Arena, backend_for
+from wcd.arenas import Arena, ArenaBackend, backend_for, is_gpu_device
 from wcd.cache import Entry, Lease, Origin, Retention
 from wcd.checkpoint import Checkpoint
 from wcd.config import Config, ModelConfig, format_size, parse_size
-from wcd.errors import BadRequest, Busy, LoadFailed, NotFound, WcdError
+from wcd.errors import BadRequest, Busy, DeviceUnavailable, LoadFailed, NotFound, WcdError
 from wcd.key import HOST_DEVICE, WeightCacheKey, fingerprint_checkpoint
 from wcd.loader import Cancelled, default_workers, digest_arena, digest_checkpoint, fill_arena
 from wcd.manifest import Manifest
@@ -32,7 +39,10 @@ from wcd.state import ServerState
 log = logging.getLogger("wcd")
 
 DEFAULT_BUDGET = {"cpu": "50%", "cuda": "90%"}
+FILL_WORKERS = 4  # loads filling at once; each runs `load_workers` reader threads of its own
 Spawn = Callable[[Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]
+T = TypeVar("T")
+Digests = dict[str, str]
 
 
 def device_budgets(config: Config) -> tuple[dict[str, int], dict[str, str]]:
@@ -59,15 +69,28 @@ class Residency:
         self._metrics = metrics
         self._spawn = spawn
         self._ready: dict[str, asyncio.Event] = {}  # entry name -> set when it leaves loading/filling
-        self._digests: dict[str, asyncio.Future[dict[str, str]]] = {}  # published entries
+        # Published entries: the digest verify compares against, and what it was taken at.
+        self._digests: dict[str, tuple[asyncio.Future[Digests], str]] = {}
+        self._verifying: dict[Entry, asyncio.Future[tuple[Digests, Digests, str]]] = {}  # shared by requests
+        self._committing: set[int] = set()  # fill leases whose commit is sealing
         self._checkpoints: dict[str, Checkpoint] = {}  # admitted, not yet filling
         self._parked: set[str] = set()  # entries whose fds sit in the fd store
+        self._digest_pool = ThreadPoolExecutor(state.config.daemon.digest_workers, thread_name_prefix="wcd-digest")
+        self._fill_pool = ThreadPoolExecutor(FILL_WORKERS, thread_name_prefix="wcd-fill")
 
     # -- devices ----------------------------------------------------------------------------
 
-    def canonical_device(self, device: str) -> str:
+    def canonical_device(self, device: str, *, from_peer: bool = False) -> str:
+        """The canonical id of a managed device. `from_peer`: a GPU on a daemon that manages none is
+        refused before any backend is touched, so a peer never makes a host-only daemon import
+        cuda-bindings (nor run cuInit) on its loop."""
         if device in self.state.devices:
             return self.state.devices[device]
+        if device in self.cache.budgets:
+            return device
+        if from_peer and is_gpu_device(device) and not any(map(is_gpu_device, self.cache.budgets)):
+            raise DeviceUnavailable(f"device {device!r}: this daemon manages no GPU "
+                             f"(devices: {', '.join(self.cache.budgets)})")
         canonical = backend_for(device).canonical(device)
         if canonical not in self.cache.budgets:
             raise BadRequest(f"device {device!r} is not managed by this daemon (add a budget for it in the config)")
@@ -95,12 +118,11 @@ class Residency:
     async def admit_load(self, name: str, path: Path, device: str, retention: Retention, origin: Origin) -> Entry:
         """Read the checkpoint's headers, fingerprint it, and admit an entry (state loading)."""
         canonical = self.canonical_device(device)
-        ckpt = await asyncio.to_thread(Checkpoint.open, path)
+        ckpt, manifest = await asyncio.to_thread(_open_checkpoint, path)
         fingerprint = await asyncio.to_thread(fingerprint_checkpoint, ckpt.path)
-        manifest = ckpt.manifest()
         key = WeightCacheKey(model=name, path=str(ckpt.path), fingerprint=fingerprint, device=canonical)
         nbytes = backend_for(canonical).arena_size(manifest.size, canonical)
-        entry, victims = self.cache.admit(name, key, manifest, nbytes, retention, origin)
+        entry, victims = self.cache.admit(name, key, manifest, nbytes, retention, origin, publisher=os.getuid())
         self.reclaim(victims)
         self._ready[name] = asyncio.Event()
         self._checkpoints[name] = ckpt
@@ -115,15 +137,19 @@ class Residency:
         ckpt = self._checkpoints.pop(entry.name)
         manifest = entry.manifest
         log.info("loading %s: %s in %d tensors from %s to %s", entry.name, format_size(manifest.nbytes),
-                 len(manifest.tensors), ckpt.path, entry.device)
+                 len(manifest), ckpt.path, entry.device)
         started = time.monotonic()
+        workers = self.state.config.daemon.load_workers or default_workers()
+
+        def fill(arena: Arena) -> None:
+            # The plan walks every tensor (a while for 10^5): here in the worker, not on the loop.
+            fill_arena(arena, ckpt, ckpt.copy_plan(manifest), _EntryProgress(entry),
+                       lambda: entry.state == "evicting", workers)
+            arena.seal()
+
         try:
-            entry.arena = await asyncio.to_thread(backend_for(entry.device).create, entry.device, entry.nbytes,
-                                                  entry.name)
-            await asyncio.to_thread(fill_arena, entry.arena, ckpt, ckpt.copy_plan(manifest), _EntryProgress(entry),
-                                    lambda: entry.state == "evicting",
-                                    self.state.config.daemon.load_workers or default_workers())
-            await asyncio.to_thread(entry.arena.seal)
+            entry.arena = await self._create(backend_for(entry.device), entry.device, entry.nbytes, entry.name)
+            await self._using(self._fill_pool, entry.arena, fill)
         except BaseException as e:
             self.reclaim(self.cache.load_failed(entry))
             if isinstance(e, Cancelled):
@@ -159,22 +185,22 @@ class Residency:
     # -- publishing -------------------------------------------------------------------------
 
     async def reserve(self, name: str, key: WeightCacheKey, manifest: Manifest, retention: Retention,
-                      owner: Any, pid: int, uid: int) -> Lease | None:
-        """Admit a published entry and allocate its empty arena: the fill lease, or None if the
-        publisher went away meanwhile."""
+                      owner: Any, pid: int, uid: int) -> Lease:
+        """Admit a published entry (carrying `uid`) and allocate its empty arena: the fill lease,
+        whose TTL starts when the caller hands it out (`Cache.handed_out`)."""
         backend = backend_for(key.device)
         entry, lease, victims = self.cache.reserve(
             name, key, manifest, backend.arena_size(manifest.size, key.device), retention, owner, pid, uid)
         self.reclaim(victims)
         self._ready[name] = asyncio.Event()
         try:
-            arena: Arena = await asyncio.to_thread(backend.create, key.device, entry.nbytes, name)
+            arena = await self._create(backend, key.device, entry.nbytes, name)
         except BaseException:
             self.reclaim(self.cache.load_failed(entry))
             raise
         if self.cache.entries.get(name) is not entry:
-            arena.close()
-            return None
+            _close_later(arena)
+            raise NotFound(f"{name} went away while its arena was being allocated; nothing was reserved")
         entry.arena = arena
         return lease
 
@@ -184,39 +210,91 @@ class Residency:
         if lease is None or lease.owner is not owner or lease.kind != "fill":
             self.cache.commit(owner, lease_id)  # raises the precise error
         assert lease is not None
+        if lease_id in self._committing:
+            raise BadRequest(f"lease {lease_id} is already being committed", {"lease": lease_id})
         if lease.entry.state != "evicting":
             # Sealing scans the arena's pages (~25 ms per GB): off the loop. Busy if the publisher
             # still maps it writable; the lease stays, so it can drop its views and commit again.
-            await asyncio.to_thread(lease.entry.arena.seal)
+            self._committing.add(lease_id)
+            try:
+                await self._using(None, lease.entry.arena, lambda arena: arena.seal())
+            finally:
+                self._committing.discard(lease_id)
         entry, dropped = self.cache.commit(owner, lease_id)
         if dropped:
             self.reclaim(dropped)
             raise NotFound(f"{entry.name} was evicted while it was being filled; nothing was published")
         self._set_ready(entry)
-        self._digests[entry.name] = asyncio.ensure_future(
-            asyncio.to_thread(digest_arena, entry.arena, entry.manifest))
+        self._keep_digest(entry, "digest at commit")
         return entry
+
+    def _keep_digest(self, entry: Entry, source: str) -> None:
+        """Digest a published entry in the background: what verify compares it against later."""
+        future = asyncio.ensure_future(self._digest_arena(entry))
+        future.add_done_callback(_quiet)  # an eviction stops it: nothing to report then
+        self._digests[entry.name] = (future, source)
 
     # -- verifying --------------------------------------------------------------------------
 
-    async def verify(self, entry: Entry) -> tuple[dict[str, str], dict[str, str], str]:
+    async def verify(self, entry: Entry) -> tuple[Digests, Digests, str]:
         """(per-tensor digests of what is resident, what they should be, against what): the digest
-        taken at commit for published entries, the checkpoint on disk for the others."""
+        taken at commit (or re-adoption) for published entries, the checkpoint on disk for the others.
+        Requests that arrive while one runs share its result: the resident bytes are sealed."""
         entry = await self.wait_ready(entry, 24 * 3600)
+        running = self._verifying.get(entry)
+        if running is None:
+            running = self._verifying[entry] = asyncio.ensure_future(self._verify(entry))
+
+            def done(future: asyncio.Future[Any]) -> None:
+                del self._verifying[entry]
+                _quiet(future)
+
+            running.add_done_callback(done)
+        return await asyncio.shield(running)
+
+    async def _verify(self, entry: Entry) -> tuple[Digests, Digests, str]:
         # The daemon's own hold on the arena while hashing: no heartbeats, so no expiry, and its
-        # own owner, so it ends here whatever happens to the connection.
+        # own owner, so it ends here whatever happens to the connections waiting for it.
         holder = object()
         lease = self.cache.acquire(entry, holder, os.getpid(), os.getuid(), ttl_s=math.inf)
         try:
-            actual = await asyncio.to_thread(digest_arena, entry.arena, entry.manifest)
+            actual = await self._digest_arena(entry)
             if entry.origin == "publish":
-                return actual, await asyncio.shield(self._digests[entry.name]), "digest at commit"
-            if not Path(entry.key.path).exists():
-                raise NotFound(f"{entry.key.path} is gone: nothing to verify {entry.name!r} against")
-            ckpt = await asyncio.to_thread(Checkpoint.open, entry.key.path)
-            return actual, await asyncio.to_thread(digest_checkpoint, ckpt), str(ckpt.path)
+                future, source = self._digests[entry.name]
+                return actual, await asyncio.shield(future), source
+            path = entry.key.path
+            try:
+                expected = await asyncio.get_running_loop().run_in_executor(
+                    self._digest_pool, _digest_checkpoint, path)
+            except FileNotFoundError:
+                raise NotFound(f"{path} is gone: nothing to verify {entry.name!r} against") from None
+            return actual, expected, path
         finally:
             self.reclaim(self.cache.release(holder, lease.id))
+
+    # -- worker threads ---------------------------------------------------------------------
+
+    async def _using(self, pool: Executor | None, arena: Arena, job: Callable[[Arena], T]) -> T:
+        """Run `job(arena)` in `pool` (None: the loop's default executor for short work), holding the arena."""
+        def held() -> T:
+            with arena.in_use():
+                return job(arena)
+
+        return await asyncio.get_running_loop().run_in_executor(pool, held)
+
+    async def _digest_arena(self, entry: Entry) -> Digests:
+        manifest = entry.manifest
+        return await self._using(self._digest_pool, entry.arena, lambda arena: digest_arena(arena, manifest))
+
+    async def _create(self, backend: ArenaBackend, device: str, size: int, label: str) -> Arena:
+        """Allocate an arena in a worker (posix_fallocate of GBs takes seconds). If the waiter is
+        cancelled (its client disconnected, shutdown), the arena the worker still produces is closed."""
+        future = asyncio.get_running_loop().run_in_executor(None, backend.create, device, size, label)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            future.add_done_callback(lambda f: None if f.cancelled() or f.exception() else _close_later(f.result()))
+            raise
 
     # -- reclaiming -------------------------------------------------------------------------
 
@@ -228,8 +306,7 @@ class Residency:
                 for name in parking.fd_names(entry.key):
                     _unstore(name)
             if entry.arena is not None:
-                # Closing the last reference frees the memory, ~0.3 s per GB: off the loop.
-                asyncio.get_running_loop().run_in_executor(None, entry.arena.close)
+                _close_later(entry.arena)
                 entry.arena = None
             self._digests.pop(entry.name, None)
             self._checkpoints.pop(entry.name, None)
@@ -293,6 +370,8 @@ class Residency:
                     raise BadRequest("its arena or record is missing")
                 entry = await self._adopt(parking.parse_record(record_fd), arena_fd)
                 arena_fd = None  # the arena owns it now
+                if entry.origin == "publish":
+                    self._keep_digest(entry, "digest at re-adoption after a restart")
                 log.info("adopted %s from systemd's fd store (%s on %s, no disk read)%s", entry.name,
                          format_size(entry.nbytes), entry.device, f"; {entry.notes[0]}" if entry.notes else "")
             except (WcdError, OSError) as e:
@@ -319,7 +398,8 @@ class Residency:
         backend = backend_for(device)
         arena = backend.adopt(os.dup(arena_fd), device, rec.arena_size, rec.name)
         try:
-            entry, victims = self.cache.admit(rec.name, rec.key, rec.manifest, arena.size, rec.retention, rec.origin)
+            entry, victims = self.cache.admit(rec.name, rec.key, rec.manifest, arena.size, rec.retention, rec.origin,
+                                              publisher=rec.publisher if rec.origin == "publish" else os.getuid())
         except BaseException:
             arena.close()
             raise
@@ -337,7 +417,9 @@ class Residency:
         the next start; the others' memory returns once clients unmap. Returns how many stay parked."""
         for entry in self.cache.entries.values():
             if entry.arena is not None:
-                entry.arena.close()
+                entry.arena.close()  # deferred while a worker holds it; its next read stops it
+        for pool in (self._digest_pool, self._fill_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
         return sum(1 for name in self._parked if name in self.cache.entries)
 
 
@@ -349,6 +431,32 @@ class _EntryProgress:
 
     def add(self, n: int) -> None:
         self.entry.done_bytes += n  # a racy += only undercounts progress transiently; fine for display
+
+
+def _open_checkpoint(path: Path) -> tuple[Checkpoint, Manifest]:
+    """Headers and layout (10^5 tensors take a while): for a worker thread."""
+    ckpt = Checkpoint.open(path)
+    return ckpt, ckpt.manifest()
+
+
+def _digest_checkpoint(path: str) -> Digests:
+    if not Path(path).exists():
+        raise FileNotFoundError(path)
+    return digest_checkpoint(Checkpoint.open(path))
+
+
+def _close_later(arena: Arena) -> None:
+    """Close an arena off the loop: freeing the last reference takes ~0.3 s per GB."""
+    try:
+        asyncio.get_running_loop().run_in_executor(None, arena.close)
+    except RuntimeError:  # the loop or its executor is shutting down
+        arena.close()
+
+
+def _quiet(future: asyncio.Future[Any]) -> None:
+    """Retrieve a background future's failure so it is not logged as never retrieved."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _unstore(name: str) -> None:

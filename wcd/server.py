@@ -18,6 +18,7 @@ import pwd
 import signal
 import socket
 import struct
+import tempfile
 import time
 from collections.abc import Coroutine
 from pathlib import Path
@@ -271,29 +272,44 @@ def _log_failure(task: asyncio.Task[Any]) -> None:
 
 
 def _bind(path: Path, groups: list[str]) -> socket.socket:
-    """Bind the listening socket with mode 0660 (group: the first allowed group, if we may)."""
+    """Bind the listening socket with mode 0660 (group: the first allowed group, if we may).
+
+    The socket is bound, given its group and mode in a private directory next to `path`, then
+    renamed onto it: a peer who can write to the socket's directory can swap `path` for a symlink
+    at any moment, and chmod/chown by path would follow it (fchmod on a socket fd does not reach
+    the bound inode). rename replaces whatever `path` is then, without following it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists() or path.is_symlink():
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.connect(str(path))
             raise Busy(f"another daemon already serves {path}")
-        except (ConnectionRefusedError, FileNotFoundError):
-            path.unlink(missing_ok=True)  # stale socket from a crashed daemon
+        except (ConnectionRefusedError, FileNotFoundError, NotADirectoryError):
+            pass  # stale socket from a crashed daemon: the rename below replaces it
         finally:
             probe.close()
+    private = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))  # mode 0700, ours
+    staged = private / "sock"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o117)
     try:
-        sock.bind(str(path))
-    finally:
-        os.umask(old)
-    os.chmod(path, 0o660)
-    if groups:
+        old = os.umask(0o117)
         try:
-            os.chown(path, -1, grp.getgrnam(groups[0]).gr_gid)
-        except PermissionError:
-            log.warning("cannot give %s to group %s (not root and not a member)", path, groups[0])
+            sock.bind(str(staged))
+        finally:
+            os.umask(old)
+        os.chmod(staged, 0o660)  # what the umask gave; explicit, and safe here: nobody else can reach `private`
+        if groups:
+            try:
+                os.chown(staged, -1, grp.getgrnam(groups[0]).gr_gid, follow_symlinks=False)
+            except PermissionError:
+                log.warning("cannot give %s to group %s (not root and not a member)", path, groups[0])
+        os.rename(staged, path)
+    except BaseException:
+        sock.close()
+        staged.unlink(missing_ok=True)
+        raise
+    finally:
+        private.rmdir()
     sock.listen(512)
     return sock
 

@@ -99,7 +99,7 @@ def test_bind_copy_mode_owns_its_memory(make_daemon):
     tensors[META_TENSOR] = encode_meta(meta)
     d = make_daemon()
     with d.client() as c:
-        name = c.publish(WeightCacheKey(model="tiny"), tensors)
+        name = c.publish(WeightCacheKey(model="tiny", transform="test"), tensors)
         with c.acquire(name) as lease:
             with torch.device("meta"):
                 dst = Tiny()

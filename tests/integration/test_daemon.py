@@ -110,7 +110,7 @@ import sys, time, torch
 from wcd.client import Client
 from wcd.key import WeightCacheKey
 c = Client({str(d.socket)!r})
-fill = c.reserve(WeightCacheKey(model="half"), {{"w": (torch.float32, (1024, 1024))}})
+fill = c.reserve(WeightCacheKey(model="half", transform="test"), {{"w": (torch.float32, (1024, 1024))}})
 fill.tensors["w"].fill_(1)
 print("reserved", flush=True)
 time.sleep(60)
@@ -131,7 +131,7 @@ time.sleep(60)
             assert c.list() == []
             assert next(x["used"] for x in c.status()["devices"] if x["device"] == "cpu") == 0
             with pytest.raises(NotFound):
-                c.acquire(WeightCacheKey(model="half"))
+                c.acquire(WeightCacheKey(model="half", transform="test"))
     finally:
         proc.kill()
         proc.wait()
@@ -267,19 +267,19 @@ def test_eviction_under_small_budget(make_daemon):
     w = torch.ones(1024, 1024)  # 4 MiB arena each
 
     with d.client() as c:
-        a = c.publish(WeightCacheKey(model="a"), {"w": w})
-        b = c.publish(WeightCacheKey(model="b"), {"w": w * 2})
-        with c.acquire(WeightCacheKey(model="a")):
+        a = c.publish(WeightCacheKey(model="a", transform="test"), {"w": w})
+        b = c.publish(WeightCacheKey(model="b", transform="test"), {"w": w * 2})
+        with c.acquire(WeightCacheKey(model="a", transform="test")):
             pass  # a is now more recently used than b
-        c.publish(WeightCacheKey(model="c"), {"w": w * 3})
+        c.publish(WeightCacheKey(model="c", transform="test"), {"w": w * 3})
         names = {e["name"] for e in c.list()}
         assert a in names and b not in names, names  # LRU: b went
         assert c.status()["counters"]["evictions"] == 1
         # Everything leased: nothing can be evicted.
-        la = c.acquire(WeightCacheKey(model="a"))
-        lc = c.acquire(WeightCacheKey(model="c"))
+        la = c.acquire(WeightCacheKey(model="a", transform="test"))
+        lc = c.acquire(WeightCacheKey(model="c", transform="test"))
         with pytest.raises(OutOfMemory, match="does not fit on cpu"):
-            c.publish(WeightCacheKey(model="d"), {"w": w})
+            c.publish(WeightCacheKey(model="d", transform="test"), {"w": w})
         la.release()
         lc.release()
 
@@ -347,14 +347,14 @@ def test_publish_and_acquire_by_key(make_daemon):
             c.acquire(key.model_copy(update={"shard": {"tp_rank": 1, "tp_size": 2}, "dtype": "fp16"}))
         assert e.value.details["fields"] == ["dtype", "shard"]
         with pytest.raises(NotFound):
-            c.acquire(WeightCacheKey(model="other"))
+            c.acquire(WeightCacheKey(model="other", transform="test"))
         assert c.verify(name)["match"] is True
 
 
 def test_fill_commit_needs_views_dropped_and_abort_frees(make_daemon):
     d = make_daemon()
     with d.client() as c:
-        fill = c.reserve(WeightCacheKey(model="x"), {"w": (torch.float32, (4, 4))})
+        fill = c.reserve(WeightCacheKey(model="x", transform="test"), {"w": (torch.float32, (4, 4))})
         w = fill.tensors["w"]
         w.fill_(2)
         with pytest.raises(BadRequest, match="drop every reference"):
@@ -363,7 +363,7 @@ def test_fill_commit_needs_views_dropped_and_abort_frees(make_daemon):
         name = fill.commit()
         with c.acquire(name) as lease:
             assert torch.equal(lease.tensors["w"], torch.full((4, 4), 2.0))
-        fill = c.reserve(WeightCacheKey(model="y"), {"w": (torch.float32, (4, 4))})
+        fill = c.reserve(WeightCacheKey(model="y", transform="test"), {"w": (torch.float32, (4, 4))})
         assert {e["name"] for e in c.list()} == {name, fill.entry}
         fill.abort()
         assert {e["name"] for e in c.list()} == {name}

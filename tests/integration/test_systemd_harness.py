@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 
 from tests.integration.conftest import same
 from wcd.client import Client
+from wcd.key import WeightCacheKey
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -278,3 +279,21 @@ def test_real_socket_activation(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
+
+
+def test_verify_of_a_readopted_published_entry(fake_systemd, tmp_path):
+    """Issue 11, item 15: the digest taken at commit is gone after a restart; verify compares
+    against one taken at re-adoption instead of failing with `internal`."""
+    cfg = config(tmp_path, {})
+    fake_systemd.start(cfg)
+    with Client(fake_systemd.sock_path) as c:
+        name = c.publish(WeightCacheKey(model="p", transform="test"), {"w": torch.arange(1024, dtype=torch.float32)})
+        fake_systemd.wait_for("FDSTORE", "1")
+    assert fake_systemd.stop() == 0
+    fake_systemd.start(cfg)
+    with Client(fake_systemd.sock_path) as c:
+        [entry] = c.list()
+        assert entry["name"] == name and entry["publisher_uid"] == os.getuid()
+        reply = c.verify(name)
+        assert reply["match"] and reply["against"] == "digest at re-adoption after a restart"
+    assert fake_systemd.stop() == 0

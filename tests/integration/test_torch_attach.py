@@ -31,7 +31,7 @@ def test_attach_binds_module_zero_copy_and_outputs_match(make_daemon):
     state = {k: v.clone() for k, v in src.state_dict().items() if k != "head.weight"}
     d = make_daemon()
     with d.client() as c:
-        name = c.publish(WeightCacheKey(model="tiny"), state)
+        name = c.publish(WeightCacheKey(model="tiny", transform="test"), state)
         with c.acquire(name) as lease:
             dst = Tiny().eval()
             report = attach(dst, lease)

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from wcd.cache import Cache, Entry
-from wcd.errors import BadRequest, Busy, KeyMismatch, LeaseExpired, NotFound, OutOfMemory
+from wcd.errors import BadRequest, Busy, KeyMismatch, LeaseExpired, NotFound, OutOfMemory, PermissionDenied
 from wcd.key import WeightCacheKey
 from wcd.manifest import Manifest
 
@@ -426,6 +426,7 @@ def test_fill_lease_ending_before_commit_drops_at_once(cache: Cache, clock: Cloc
     if how == "abort":
         dropped = cache.abort("conn", lease.id)
     elif how == "expire":
+        cache.handed_out(lease)
         clock.tick(TTL)
         expired, dropped = cache.expire()
         assert expired == [lease]
@@ -435,6 +436,44 @@ def test_fill_lease_ending_before_commit_drops_at_once(cache: Cache, clock: Cloc
     assert cache.entries == {} and cache.leases == {} and cache.used("cpu") == 0
     with pytest.raises(LeaseExpired):
         cache.commit("conn", lease.id)
+
+
+def test_fill_lease_ttl_starts_when_handed_out(cache: Cache, clock: Clock) -> None:
+    """Allocating a big arena may outlast the TTL: the lease must not expire before its holder knows it."""
+    entry, lease, _ = cache.reserve("p", key("p"), MANIFEST, 100, "cached", owner="conn")
+    clock.tick(10 * TTL)
+    assert cache.expire() == ([], [])
+    cache.handed_out(lease)
+    clock.tick(TTL / 2)
+    assert cache.expire() == ([], [])
+    clock.tick(TTL)
+    assert cache.expire() == ([lease], [entry])
+
+
+def test_published_entries_carry_their_publisher(cache: Cache) -> None:
+    entry, _, _ = cache.reserve("p", key("p"), MANIFEST, 100, "cached", owner="conn", uid=1234)
+    assert entry.publisher == 1234 and entry.describe()["publisher_uid"] == 1234
+    loaded, _ = cache.admit("m", key("m"), MANIFEST, 100, "pinned", "config", publisher=998)
+    assert loaded.describe()["publisher_uid"] == 998
+
+
+@pytest.mark.parametrize(("origin", "publisher", "retention", "uid", "admin", "allowed"), [
+    ("config", 998, "pinned", 1234, False, False),  # configured models: admins only
+    ("load", 998, "cached", 1234, False, False),
+    ("config", 998, "pinned", 1234, True, True),
+    ("publish", 1234, "cached", 1234, False, True),  # a publisher evicts its own entry
+    ("publish", 1234, "cached", 4321, False, False),  # but not someone else's
+    ("publish", 1234, "pinned", 1234, False, False),  # nor one an admin pinned for it
+    ("publish", 1234, "cached", 4321, True, True),
+])
+def test_who_may_evict(cache: Cache, origin: str, publisher: int, retention: str, uid: int, admin: bool,
+                       allowed: bool) -> None:
+    entry, _ = cache.admit("e", key("e"), MANIFEST, 100, retention, origin, publisher=publisher)  # type: ignore[arg-type]
+    if allowed:
+        cache.check_evict(entry, uid, admin)
+    else:
+        with pytest.raises(PermissionDenied, match="only admins evict"):
+            cache.check_evict(entry, uid, admin)
 
 
 def test_heartbeat_keeps_a_fill_lease(cache: Cache, clock: Clock) -> None:

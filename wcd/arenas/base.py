@@ -6,11 +6,18 @@ a writer that fills an arena from file ranges. Client side: `wcd.views` maps an 
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+
+from wcd.errors import NotFound
 
 # The device name of host memory (sealed memfds); GPUs are "cuda:N" or a GPU UUID.
 HOST_DEVICE = "cpu"
+# Guards every arena's count of workers using it: held for a few instructions twice per job.
+_USES = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -33,9 +40,15 @@ class ArenaWriter(ABC):
 
 
 class Arena(ABC):
+    """One allocation. Worker threads that touch it (fill, seal, digest) hold it with `in_use`:
+    `close` then only marks it, and the last user releases it. Its descriptors are never closed
+    under a worker, so a worker can neither fail with EBADF nor read a reused fd number."""
+
     kind: str  # "host" or "cuda": tells the client how to map the fd
     device: str  # canonical device id
     size: int  # bytes allocated (manifest size rounded up to the backend's granularity)
+    _users = 0  # workers inside `in_use` (class defaults: backends need not call a base __init__)
+    _closing = False
 
     @abstractmethod
     def fd(self) -> int:
@@ -49,13 +62,46 @@ class Arena(ABC):
     def seal(self) -> None:
         """No more writes after this: the contents are final and shared read-only."""
 
-    @abstractmethod
     def read(self, offset: int, nbytes: int) -> bytes:
-        """Copy bytes out (used by `verify`)."""
+        """Copy bytes out (used by `verify`); refused once the arena is closing, so a long digest
+        of an evicted entry stops at its next read instead of holding the memory."""
+        if self._closing:
+            raise NotFound("the arena was reclaimed while it was being read (entry evicted or daemon stopping)")
+        return self._read(offset, nbytes)
+
+    @contextmanager
+    def in_use(self) -> Iterator[Arena]:
+        """Hold the arena open for one worker's job (call it in the worker thread)."""
+        with _USES:
+            if self._closing:
+                raise NotFound("the arena was reclaimed before the job started (entry evicted or daemon stopping)")
+            self._users += 1
+        try:
+            yield self
+        finally:
+            with _USES:
+                self._users -= 1
+                last = self._closing and not self._users
+            if last:
+                self._release()
+
+    def close(self) -> None:
+        """Close every descriptor the daemon holds, now or when the last worker using it is done;
+        memory returns once clients unmap. Idempotent."""
+        with _USES:
+            if self._closing:
+                return
+            self._closing = True
+            now = not self._users
+        if now:
+            self._release()
 
     @abstractmethod
-    def close(self) -> None:
-        """Close every descriptor the daemon holds; memory returns once clients unmap."""
+    def _read(self, offset: int, nbytes: int) -> bytes: ...
+
+    @abstractmethod
+    def _release(self) -> None:
+        """Close the descriptors (called once, with no worker using the arena)."""
 
 
 class ArenaBackend(ABC):

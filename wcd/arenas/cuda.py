@@ -278,7 +278,7 @@ class CudaArena(Arena):
     def seal(self) -> None:
         """Nothing to do: readers map CUDA arenas read-only (CU_MEM_ACCESS_FLAGS_PROT_READ)."""
 
-    def read(self, offset: int, nbytes: int) -> bytes:
+    def _read(self, offset: int, nbytes: int) -> bytes:
         """Device-to-host copy. The first call maps the arena read-only and retains the primary context;
         both stay until `close` because `verify` reads thousands of small ranges from several threads."""
         if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
@@ -302,7 +302,7 @@ class CudaArena(Arena):
                 _check(cuda.cuMemcpyDtoH(out, ptr + offset, nbytes), "cuMemcpyDtoH")
         return bytes(out)
 
-    def close(self) -> None:
+    def _release(self) -> None:
         """Release the allocation and close the exported fd; the memory returns to the driver once
         every other fd and mapping of it (clients, a writer still open) is gone."""
         with self._lock:

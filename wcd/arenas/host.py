@@ -102,10 +102,10 @@ class HostArena(Arena):
             time.sleep(0.05 * (attempt + 1))
         raise Busy("the arena is still mapped writable: drop every fill view before commit")
 
-    def read(self, offset: int, nbytes: int) -> bytes:
+    def _read(self, offset: int, nbytes: int) -> bytes:
         return os.pread(self._fd, nbytes, offset)
 
-    def close(self) -> None:
+    def _release(self) -> None:
         with self._lock:
             if self._fd >= 0:
                 os.close(self._fd)

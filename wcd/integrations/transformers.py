@@ -11,12 +11,15 @@ such as rotary frequencies, stay real), then every parameter and persistent buff
 daemon's resident copy of the folder's checkpoint, zero-copy, by name. Tied weights (e.g. an
 `lm_head` tied to the input embeddings, absent from the checkpoint) stay tied to the one resident
 tensor. The resident entry is found by checkpoint fingerprint (or named with `entry=`), so a
-different checkpoint is never attached.
+different checkpoint is never attached, and it must come from a trusted publisher
+(`wcd.integrations.trust`: the daemon's own load, this uid, the daemon's `trusted_publishers` or
+`trusted_publishers=`); the socket must be served by a trusted uid (`trust.server_uids()`).
 
 If the daemon does not hold the folder, `load=True` asks it to load it (needs the daemon's own uid
 or root), and otherwise `fallback=True` (default) loads from disk with `from_pretrained`. The
 lease is kept alive (heartbeats) as long as the model object lives. `model._wcd` says what
-happened: {"path": "attach"|"disk", "entry", "tensors", "bytes", "converted", "seconds", "reason"}.
+happened: {"path": "attach"|"disk", "entry", "publisher", "tensors", "bytes", "converted", "seconds",
+"reason"}.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -32,7 +35,8 @@ from typing import Any
 import torch
 
 from wcd.client import Client, Lease
-from wcd.errors import DaemonUnavailable, NotFound
+from wcd.errors import DaemonUnavailable, NotFound, PermissionDenied
+from wcd.integrations import trust
 from wcd.integrations.torch import AttachMismatch, attach
 from wcd.key import fingerprint_checkpoint
 
@@ -42,12 +46,12 @@ log = logging.getLogger("wcd.transformers")
 def from_pretrained(model_class: Any, path: str | Path, *, socket: str | None = None, client: Client | None = None,
                     entry: str | None = None, dtype: torch.dtype | str | None = None, load: bool = False,
                     fallback: bool = True, strict: bool = True, timeout_s: float = 600.0,
-                    **config_kwargs: Any) -> Any:
+                    trusted_publishers: Iterable[int] = (), **config_kwargs: Any) -> Any:
     """Load `model_class` (an `AutoModel*` or a concrete model class) from `path` through wcd.
 
     `dtype=None` keeps the resident dtype (zero-copy); another dtype converts (a copy, logged).
-    `socket` defaults to $WCD_SOCKET; pass `client` to share a connection. `config_kwargs` go to
-    `AutoConfig.from_pretrained`.
+    `socket` defaults to $WCD_SOCKET; pass `client` to share a connection. `trusted_publishers`
+    adds uids whose entries may be attached. `config_kwargs` go to `AutoConfig.from_pretrained`.
     """
     started = time.perf_counter()
     folder = Path(path).resolve()
@@ -57,12 +61,18 @@ def from_pretrained(model_class: Any, path: str | Path, *, socket: str | None = 
     own_client = client is None
     reason = ""
     lease: Lease | None = None
+    publisher = ""
     try:
         if client is None:
-            client = Client(socket, name="wcd-transformers")
-        lease = _find_entry(client, folder, fingerprint, entry, load, timeout_s)
-        if lease is None:
-            reason = f"the daemon holds no entry for {folder} (fingerprint {fingerprint[:12]})"
+            try:
+                client = Client(socket, name="wcd-transformers", server_uid=trust.server_uids())
+            except PermissionDenied as e:  # the socket's, or who serves it: the disk is safe either way
+                raise DaemonUnavailable(e.message) from None
+        found = _find_entry(client, folder, fingerprint, entry, load, timeout_s, trusted_publishers)
+        if found is None:
+            reason = f"the daemon holds no entry for {folder} (fingerprint {fingerprint[:12]}) from a trusted publisher"
+        else:
+            lease, publisher = found
     except DaemonUnavailable as e:
         reason = e.message
         client = None
@@ -94,37 +104,41 @@ def from_pretrained(model_class: Any, path: str | Path, *, socket: str | None = 
     if own_client:
         model._wcd_client = client
         weakref.finalize(model, client.close)
-    info.update(path="attach", entry=lease.entry, lease=lease.id, seconds=time.perf_counter() - started)
+    info.update(path="attach", entry=lease.entry, lease=lease.id, publisher=publisher,
+                seconds=time.perf_counter() - started)
     model._wcd = info
-    log.info("wcd: attached %s from entry %s (%d tensors, %.1f MiB%s) in %.3f s", folder.name, lease.entry,
-             info["tensors"], info["bytes"] / 2**20, f", {info['converted']} converted" if info["converted"] else "",
-             info["seconds"])
+    log.info("wcd: attached %s from entry %s published by %s (%d tensors, %.1f MiB%s) in %.3f s", folder.name,
+             lease.entry, publisher, info["tensors"], info["bytes"] / 2**20,
+             f", {info['converted']} converted" if info["converted"] else "", info["seconds"])
     return model
 
 
 def _find_entry(client: Client, folder: Path, fingerprint: str, entry: str | None, load: bool,
-                timeout_s: float) -> Lease | None:
-    """A read lease on a raw entry holding exactly this checkpoint, or None."""
+                timeout_s: float, trusted: Iterable[int] = ()) -> tuple[Lease, str] | None:
+    """A read lease on a raw entry holding exactly this checkpoint from a trusted publisher, and
+    who that is; or None."""
     names = [entry] if entry else [
         e["name"] for e in client.list()
         if e["key"].get("transform") == "raw" and e["key"].get("fingerprint") == fingerprint
         and e.get("state") in ("ready", "loading")]
-    for name in names:
+    if load:
+        names.append(entry or _entry_name(folder))
+    for i, name in enumerate(names):
+        if load and i == len(names) - 1:
+            client.load(name, folder, wait=True)
         try:
             lease = client.acquire(name, timeout_s=timeout_s)
         except NotFound:
             continue
-        if lease.key.fingerprint == fingerprint and lease.key.transform == "raw":
-            return lease
-        log.warning("wcd: entry %s holds a different checkpoint than %s (fingerprint %s, folder %s): not using it",
-                    name, folder, lease.key.fingerprint[:12], fingerprint[:12])
-        lease.release()
-    if load:
-        name = entry or _entry_name(folder)
-        client.load(name, folder, wait=True)
-        lease = client.acquire(name, timeout_s=timeout_s)
-        if lease.key.fingerprint == fingerprint:
-            return lease
+        publisher = trust.accepted_publisher(client, lease, trusted)
+        if publisher is None:
+            log.warning("wcd: entry %s was published by uid %s, which this process does not trust: not using it "
+                        "(trusted: the daemon, this uid, trusted_publishers)", name, lease.publisher_uid)
+        elif lease.key.fingerprint == fingerprint and lease.key.transform == "raw":
+            return lease, publisher
+        else:
+            log.warning("wcd: entry %s holds a different checkpoint than %s (fingerprint %s, folder %s): not using "
+                        "it", name, folder, lease.key.fingerprint[:12], fingerprint[:12])
         lease.release()
     return None
 

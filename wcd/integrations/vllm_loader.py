@@ -19,6 +19,7 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from wcd.client import Client, Lease
 from wcd.errors import KeyMismatch, NotFound, WcdError
+from wcd.integrations import trust
 from wcd.integrations.snapshot import bind, meta_leftovers, publish_snapshot, read_meta, state_before_processing
 from wcd.integrations.vllm import (
     IncompatibleVllm,
@@ -71,7 +72,8 @@ class WcdModelLoader(BaseModelLoader):
             key = self._key(vllm_config, vllm_config.model_config, self._device(vllm_config))
             if key is None:
                 return 0
-            with Client(self.options.socket, name=f"vllm-wcd pid {os.getpid()} (probe)", heartbeats=False) as c:
+            with Client(self.options.socket, name=f"vllm-wcd pid {os.getpid()} (probe)", heartbeats=False,
+                        server_uid=trust.server_uids()) as c:
                 for e in c.list():
                     if e.get("state") == "ready" and WeightCacheKey.model_validate(e["key"]) == key:
                         return int(e["bytes"])
@@ -306,7 +308,7 @@ class WcdModelLoader(BaseModelLoader):
                                    "{'socket': PATH} or WCD_SOCKET), and fallback=false")
             return None
         try:
-            return Client(self.options.socket, name=f"vllm-wcd pid {os.getpid()}")
+            return Client(self.options.socket, name=f"vllm-wcd pid {os.getpid()}", server_uid=trust.server_uids())
         except WcdError as e:
             last_load["daemon_error"] = e.message
             if required:
@@ -316,7 +318,7 @@ class WcdModelLoader(BaseModelLoader):
 
     def _find_processed(self, client: Client, key: WeightCacheKey, reasons: list[str]) -> Lease | None:
         try:
-            return client.acquire(key, timeout_s=self.options.timeout_s)
+            return _trusted(client, client.acquire(key, timeout_s=self.options.timeout_s), reasons)
         except KeyMismatch as e:
             fields = e.details.get("fields", [])
             reasons.append(f"processed entry {e.details.get('entry')} differs in {', '.join(fields)}")
@@ -347,6 +349,8 @@ class WcdModelLoader(BaseModelLoader):
                 reasons.append(f"raw entry {name!r}: {e.message}")
                 continue
             if lease.key.transform == "raw" and lease.key.fingerprint == fingerprint:
+                if _trusted(client, lease, reasons) is None:
+                    continue
                 return lease
             why = (f"entry {name!r} holds a different checkpoint (fingerprint {lease.key.fingerprint[:12]}, "
                    f"this model {fingerprint[:12]})" if lease.key.fingerprint != fingerprint
@@ -385,3 +389,17 @@ class WcdModelLoader(BaseModelLoader):
 def _empty_cache() -> None:
     gc.collect()
     torch.accelerator.empty_cache()
+
+
+def _trusted(client: Client, lease: Lease, reasons: list[str]) -> Lease | None:
+    """`lease` if its entry comes from a publisher this engine trusts (`trust.accepted_publisher`);
+    else the lease is released, the reason recorded, and None returned."""
+    why = trust.accepted_publisher(client, lease)
+    if why is not None:
+        log.info("wcd: using %s, published by %s", lease.entry, why)
+        return lease
+    reasons.append(f"entry {lease.entry!r} was published by uid {lease.publisher_uid}, which this engine "
+                   "does not trust (its own uid, the daemon's, or the daemon's trusted_publishers)")
+    log.warning("wcd: not using %s", reasons[-1])
+    lease.release()
+    return None
