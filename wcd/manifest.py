@@ -123,17 +123,15 @@ class Manifest:
     `shape_ids` (index into `shapes`, the distinct shapes), `offsets` and `sizes` (bytes).
     `runs` splits the columns into consecutive runs, each of one dtype and shape at one constant
     stride (all ones unless `grouped()` made them): views of a run come from one C++ call.
-    `slots` maps every name to None, in column order (a template for dicts keyed by name).
     `view_plan` is a slot for the client's views code to cache its per-layout work in; the
     manifest itself never reads it.
     """
 
     def __init__(self, names: tuple[str, ...], dtype_codes: bytes, shapes: tuple[tuple[int, ...], ...],
                  shape_ids: array[int], offsets: array[int], sizes: list[int], size: int,
-                 slots: dict[str, None] | None = None, runs: array[int] | None = None) -> None:
+                 runs: array[int] | None = None) -> None:
         self.names, self.dtype_codes, self.shapes = names, dtype_codes, shapes
         self.shape_ids, self.offsets, self.sizes, self.size = shape_ids, offsets, sizes, size
-        self.slots = slots if slots is not None else dict.fromkeys(names)
         self.runs = runs if runs is not None else array("I", [1]) * len(names)
         self._wire: dict[int, dict[str, Any]] = {}
         self.view_plan: Any = None
@@ -277,8 +275,7 @@ class Manifest:
         if n and (not joined or "\0\0" in joined or joined[0] == "\0" or joined[-1] == "\0"
                   or max(map(len, names)) > MAX_NAME_LEN):
             _check_name(next(s for s in names if not s or len(s) > MAX_NAME_LEN))
-        slots = dict.fromkeys(names)
-        if len(slots) != n:
+        if len(set(names)) != n:
             seen: set[str] = set()
             dup = next(s for s in names if s in seen or seen.add(s))  # type: ignore[func-returns-value]
             raise BadRequest(f"tensor {dup!r} appears twice", {"tensor": dup})
@@ -315,7 +312,7 @@ class Manifest:
             i = next(i for i in range(n) if offsets[i] % ALIGN or ends[i] > size)
             raise BadRequest(f"tensor {names[i]!r}: offset {offsets[i]} not aligned or outside the arena",
                              {"tensor": names[i]})
-        manifest = cls(names, codes, tuple(shapes), ids, offsets, sizes, size, slots, runs)
+        manifest = cls(names, codes, tuple(shapes), ids, offsets, sizes, size, runs)
         _check_overlaps(manifest, ends)
         return manifest
 

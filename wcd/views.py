@@ -12,6 +12,8 @@ from __future__ import annotations
 import gc
 import mmap
 import os
+from collections.abc import Sequence
+from itertools import chain
 from typing import Any
 
 import torch
@@ -51,33 +53,33 @@ def build_views(base: torch.Tensor, manifest: Manifest) -> dict[str, torch.Tenso
     if plan is None:
         plan = manifest.view_plan = _plan(manifest)
     typed: dict[int, torch.Tensor] = {}
-    out: dict[str, Any] = manifest.slots.copy()
+    views: list[Sequence[torch.Tensor]] = []  # per run, in the manifest's column order
     # Creating 10^5 tensor objects would trigger full collections of every object the process
     # (torch included) holds, for nothing: views form no reference cycles.
     gc_enabled = gc.isenabled()
     gc.disable()
     try:
-        for code, shape, strides, offset, step, count, names in plan:
+        for code, shape, strides, offset, step, count in plan:
             tb = typed.get(code)
             if tb is None:
                 # Arena sizes are multiples of 256, so every itemsize divides them.
                 tb = typed[code] = base.view(_torch_dtype(DTYPES[code]))
             if count == 1:
-                out[names[0]] = tb.as_strided(shape, strides, offset)
+                views.append((tb.as_strided(shape, strides, offset),))
             else:
-                out.update(zip(names, tb.as_strided((count, *shape), (step, *strides), offset).unbind(0)))
+                views.append(tb.as_strided((count, *shape), (step, *strides), offset).unbind(0))
+        return dict(zip(manifest.names, chain.from_iterable(views)))
     finally:
         if gc_enabled:
             gc.enable()
-    return out
 
 
-_Run = tuple[int, tuple[int, ...], tuple[int, ...], int, int, int, tuple[str, ...]]
+_Run = tuple[int, tuple[int, ...], tuple[int, ...], int, int, int]
 
 
 def _plan(manifest: Manifest) -> list[_Run]:
-    """(dtype code, shape, strides, first offset and stride in elements, count, names) for each of
-    the manifest's runs (validated by `Manifest.from_wire`): one Python step per run."""
+    """(dtype code, shape, strides, first offset and stride in elements, count) for each of the
+    manifest's runs (validated by `Manifest.from_wire`), in column order: one Python step per run."""
     runs: list[_Run] = []
     at = 0
     for count in manifest.runs:
@@ -85,8 +87,7 @@ def _plan(manifest: Manifest) -> list[_Run]:
         size = ITEMSIZES[code]
         shape = manifest.shapes[manifest.shape_ids[at]]
         step = (manifest.offsets[at + 1] - manifest.offsets[at]) // size if count > 1 else 0
-        runs.append((code, shape, contiguous_strides(shape), manifest.offsets[at] // size, step, count,
-                     manifest.names[at : at + count]))
+        runs.append((code, shape, contiguous_strides(shape), manifest.offsets[at] // size, step, count))
         at += count
     return runs
 
