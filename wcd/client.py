@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from wcd import __version__, wire
 from wcd.errors import DaemonUnavailable, PermissionDenied, ProtocolError, WcdError, from_wire
-from wcd.manifest import Manifest
+from wcd.manifest import TENSOR_COLUMNS, Manifest
 
 if TYPE_CHECKING:
     import torch
@@ -430,9 +430,13 @@ class Client:
         """A fill lease on a fresh arena laid out for `tensors` ({name: (dtype, shape)})."""
         from wcd.views import wire_dtype
 
-        rows = [[name, dtype if isinstance(dtype, str) else wire_dtype(dtype), list(shape)]
+        rows = [(name, dtype if isinstance(dtype, str) else wire_dtype(dtype), list(shape))
                 for name, (dtype, shape) in tensors.items()]
-        reply, fds = self.request_fds("reserve", key=key.model_dump(), tensors=rows, retention=retention)
+        listing: dict[str, Any] = {"tensors": rows}
+        if self.server.get("version", 1) >= 2:  # columns: cheap for the daemon to check at 10^5 tensors
+            columns = Manifest.build(rows).to_wire(2)
+            listing = {"columns": {k: columns[k] for k in TENSOR_COLUMNS}}
+        reply, fds = self.request_fds("reserve", key=key.model_dump(), retention=retention, **listing)
         return self._track(FillLease(self, reply, _one_fd(fds)))  # type: ignore[return-value]
 
     def publish(self, key: WeightCacheKey, tensors: Mapping[str, torch.Tensor], *, retention: str = "cached") -> str:

@@ -261,40 +261,12 @@ class Manifest:
                 or not all(type(obj.get(k)) is bytes for k in _COLUMNS):
             raise BadRequest("manifest must be {size: int, names: str, " + ", ".join(f"{k}: bin" for k in _COLUMNS)
                              + "} (protocol v2) or {size: int, tensors: [[name, dtype, shape, offset], ...]}")
-        size, joined, codes = obj["size"], obj["names"], obj["dtypes"]
-        ndims, dims_b, ids_b, offs_b = obj["shape_ndims"], obj["shape_dims"], obj["shape_ids"], obj["offsets"]
-        n = len(codes)
-        if size <= 0 or size > MAX_DIM or n > MAX_TENSORS:
-            raise BadRequest(f"manifest size {size} or tensor count {n} out of range")
-        if len(ids_b) != 4 * n or len(offs_b) != 8 * n or len(ndims) > max(n, 1) \
-                or len(dims_b) != 8 * sum(ndims):
+        size, offs_b, n = obj["size"], obj["offsets"], len(obj["dtypes"])
+        if size <= 0 or size > MAX_DIM:
+            raise BadRequest(f"manifest size {size} out of range")
+        if len(offs_b) != 8 * n:
             raise BadRequest(f"manifest columns do not agree on {n} tensors")
-        names = tuple(joined.split("\0")) if n else ()
-        if len(names) != n or (joined and not n):
-            raise BadRequest(f"manifest names do not agree on {n} tensors")
-        if n and (not joined or "\0\0" in joined or joined[0] == "\0" or joined[-1] == "\0"
-                  or max(map(len, names)) > MAX_NAME_LEN):
-            _check_name(next(s for s in names if not s or len(s) > MAX_NAME_LEN))
-        if len(set(names)) != n:
-            seen: set[str] = set()
-            dup = next(s for s in names if s in seen or seen.add(s))  # type: ignore[func-returns-value]
-            raise BadRequest(f"tensor {dup!r} appears twice", {"tensor": dup})
-        if n and max(codes) >= len(DTYPES):
-            raise BadRequest(f"unsupported dtype code {max(codes)} (known: 0..{len(DTYPES) - 1})")
-        if ndims and max(ndims) > MAX_NDIM:
-            raise BadRequest(f"a shape has {max(ndims)} dimensions (max {MAX_NDIM})")
-        dims = _le_array("Q", dims_b)
-        if dims and max(dims) > MAX_DIM:
-            raise BadRequest(f"bad dimension {max(dims)} (max {MAX_DIM})")
-        shapes, numels, at = [], [], 0
-        for k in ndims:  # one step per distinct shape, not per tensor
-            shape = tuple(dims[at : at + k])
-            at += k
-            shapes.append(shape)
-            numels.append(math.prod(shape))
-        ids = _le_array("I", ids_b)
-        if n and max(ids) >= len(shapes):
-            raise BadRequest(f"shape index {max(ids)} outside the {len(shapes)} shapes")
+        names, codes, shapes, numels, ids = _tensor_columns(obj)
         offsets = _le_array("Q", offs_b)
         runs = _le_array("I", obj["runs"])
         _check_runs(runs, codes, ids, offsets)
@@ -315,6 +287,16 @@ class Manifest:
         manifest = cls(names, codes, tuple(shapes), ids, offsets, sizes, size, runs)
         _check_overlaps(manifest, ends)
         return manifest
+
+    @classmethod
+    def layout_columns(cls, obj: Any) -> Manifest:
+        """Lay out tensors given as untrusted columns (a v2 reserve: `names`, `dtypes`,
+        `shape_ndims`, `shape_dims`, `shape_ids`, as in `to_wire`), validated in bulk."""
+        if not isinstance(obj, dict) or not isinstance(obj.get("names"), str) \
+                or not all(type(obj.get(k)) is bytes for k in TENSOR_COLUMNS[1:]):
+            raise BadRequest("tensors must be {names: str, " + ", ".join(f"{k}: bin" for k in TENSOR_COLUMNS[1:]) + "}")
+        names, codes, shapes, _, ids = _tensor_columns(obj)
+        return cls.build(zip(names, map(DTYPES.__getitem__, codes), map(shapes.__getitem__, ids)))
 
     @classmethod
     def _from_rows(cls, obj: dict[str, Any]) -> Manifest:
@@ -358,6 +340,46 @@ class Manifest:
 
 
 _COLUMNS = ("dtypes", "shape_ndims", "shape_dims", "shape_ids", "offsets", "runs")
+# What a v2 reserve sends: the tensors, without a layout.
+TENSOR_COLUMNS = ("names", "dtypes", "shape_ndims", "shape_dims", "shape_ids")
+
+
+def _tensor_columns(obj: dict[str, Any]) -> tuple[tuple[str, ...], bytes, list[tuple[int, ...]], list[int], array[int]]:
+    """Names, dtype codes, distinct shapes, their element counts and each tensor's shape index,
+    from untrusted columns, checked in bulk (one Python step per distinct shape, not per tensor)."""
+    joined, codes, ndims, dims_b, ids_b = (obj[k] for k in TENSOR_COLUMNS)
+    n = len(codes)
+    if n > MAX_TENSORS:
+        raise BadRequest(f"tensor count {n} out of range (max {MAX_TENSORS})")
+    if len(ids_b) != 4 * n or len(ndims) > max(n, 1) or len(dims_b) != 8 * sum(ndims):
+        raise BadRequest(f"manifest columns do not agree on {n} tensors")
+    names = tuple(joined.split("\0")) if n else ()
+    if len(names) != n or (joined and not n):
+        raise BadRequest(f"manifest names do not agree on {n} tensors")
+    if n and (not joined or "\0\0" in joined or joined[0] == "\0" or joined[-1] == "\0"
+              or max(map(len, names)) > MAX_NAME_LEN):
+        _check_name(next(s for s in names if not s or len(s) > MAX_NAME_LEN))
+    if len(set(names)) != n:
+        seen: set[str] = set()
+        dup = next(s for s in names if s in seen or seen.add(s))  # type: ignore[func-returns-value]
+        raise BadRequest(f"tensor {dup!r} appears twice", {"tensor": dup})
+    if n and max(codes) >= len(DTYPES):
+        raise BadRequest(f"unsupported dtype code {max(codes)} (known: 0..{len(DTYPES) - 1})")
+    if ndims and max(ndims) > MAX_NDIM:
+        raise BadRequest(f"a shape has {max(ndims)} dimensions (max {MAX_NDIM})")
+    dims = _le_array("Q", dims_b)
+    if dims and max(dims) > MAX_DIM:
+        raise BadRequest(f"bad dimension {max(dims)} (max {MAX_DIM})")
+    shapes, numels, at = [], [], 0
+    for k in ndims:  # one step per distinct shape, not per tensor
+        shape = tuple(dims[at : at + k])
+        at += k
+        shapes.append(shape)
+        numels.append(math.prod(shape))
+    ids = _le_array("I", ids_b)
+    if n and max(ids) >= len(shapes):
+        raise BadRequest(f"shape index {max(ids)} outside the {len(shapes)} shapes")
+    return names, codes, shapes, numels, ids
 
 
 def _stride_runs(lane: list[int], offsets: array[int]) -> list[int]:

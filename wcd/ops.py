@@ -171,7 +171,7 @@ async def acquire(ctx: Context, conn: Connection, req: protocol.Acquire) -> None
 async def reserve(ctx: Context, conn: Connection, req: protocol.Reserve) -> None:
     _check_publishable(ctx, conn, req.key, req.retention)
     key = req.key.model_copy(update={"device": ctx.residency.canonical_device(req.key.device, from_peer=True)})
-    manifest = await asyncio.to_thread(_reserved_manifest, req.tensors, conn.version)
+    manifest = await asyncio.to_thread(_reserved_manifest, req.listing(), conn.version)
     name = f"{key.model}#{key.digest()[:8]}"
     _send_lease(ctx, conn, req.id, await ctx.residency.reserve(name, key, manifest, req.retention, conn,
                                                                conn.pid, conn.uid))
@@ -239,9 +239,13 @@ async def verify(ctx: Context, conn: Connection, req: protocol.Verify) -> None:
                           mismatched=mismatched[:50]))
 
 
-def _reserved_manifest(rows: list[tuple[str, str, list[int]]], version: int) -> Manifest:
-    """The layout of a reserve and the wire form its publisher gets (a while for 10^5 tensors)."""
-    manifest = Manifest.build(rows)
+def _reserved_manifest(tensors: list[tuple[str, str, list[int]]] | protocol.TensorColumns, version: int) -> Manifest:
+    """The layout of a reserve (rows from v1 peers, columns from v2 ones) and the wire form its
+    publisher gets: a while for 10^5 tensors, so in a worker thread."""
+    if isinstance(tensors, protocol.TensorColumns):
+        manifest = Manifest.layout_columns(tensors.model_dump())
+    else:
+        manifest = Manifest.build(tensors)
     manifest.wire(version)
     return manifest
 

@@ -14,7 +14,9 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
+    StrictBytes,
     StrictInt,
+    StrictStr,
     StringConstraints,
     TypeAdapter,
     ValidationError,
@@ -106,11 +108,31 @@ TensorRow = tuple[
 ]
 
 
+class TensorColumns(BaseModel):
+    """Protocol v2's reserve: the tensors as columns (see `Manifest.to_wire`), so 10^5 tensors
+    cost the loop a few bounded strings here; `Manifest.layout_columns` checks them in a thread."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    names: Annotated[StrictStr, StringConstraints(max_length=MAX_TENSORS * (MAX_NAME_LEN + 1))]
+    dtypes: Annotated[StrictBytes, Field(max_length=MAX_TENSORS)]
+    shape_ndims: Annotated[StrictBytes, Field(max_length=MAX_TENSORS)]
+    shape_dims: Annotated[StrictBytes, Field(max_length=8 * MAX_NDIM * MAX_TENSORS)]
+    shape_ids: Annotated[StrictBytes, Field(max_length=4 * MAX_TENSORS)]
+
+
 class Reserve(_Req):
+    """The tensors as rows (`tensors`, protocol v1) or as columns (`columns`, v2): exactly one."""
+
     op: Literal["reserve"]
     key: WeightCacheKey
-    tensors: Annotated[list[TensorRow], Field(max_length=MAX_TENSORS)]
+    tensors: Annotated[list[TensorRow], Field(max_length=MAX_TENSORS)] | None = None
+    columns: TensorColumns | None = None
     retention: Retention = "cached"
+
+    def listing(self) -> list[TensorRow] | TensorColumns:
+        if (self.tensors is None) == (self.columns is None):
+            raise BadRequest("reserve: give exactly one of 'tensors' (rows) or 'columns'")
+        return self.tensors if self.tensors is not None else self.columns  # type: ignore[return-value]
 
 
 class Commit(_Req):

@@ -449,3 +449,20 @@ def test_overlapping_data_offsets_are_refused(make_daemon, tmp_path):
             c.load("x", ckpt, wait=True)
         with pytest.raises(NotFound):
             c.acquire("x", wait=False)
+
+
+def test_a_huge_reserve_does_not_stall_the_loop(make_daemon):
+    """Item 3: a 200,000-tensor reserve (columns, as a v2 client sends them) is decoded in bulk and laid
+    out in a worker thread; a 200,000-row reserve from a v1 peer is refused by the frame limit or
+    validated, but never freezes the others' pings."""
+    d = make_daemon()
+    n = 200_000
+    tensors = {f"model.layers.{i // 8}.experts.{i % 8}.w": ("BF16", (4, 4)) for i in range(n)}
+    with pinging(d) as latencies, d.client() as c:
+        started = time.monotonic()
+        fill = c.reserve(WeightCacheKey(model="moe", transform="test/many"), tensors)
+        took = time.monotonic() - started
+        assert len(fill.tensors) == n
+        fill.abort()
+    assert_responsive(latencies)
+    assert took < 60

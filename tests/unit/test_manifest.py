@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wcd.errors import BadRequest
-from wcd.manifest import ALIGN, DTYPE_SIZES, DTYPES, MAX_NAME_LEN, MAX_NDIM, Manifest, TensorSpec
+from wcd.manifest import ALIGN, DTYPE_SIZES, DTYPES, MAX_NAME_LEN, MAX_NDIM, TENSOR_COLUMNS, Manifest, TensorSpec
 
 SETTINGS = settings(max_examples=60, deadline=None)
 
@@ -411,3 +411,20 @@ def test_from_wire_never_raises_anything_but_bad_request(size: Any, rows: list[A
         assert t.offset % ALIGN == 0 and 0 <= t.offset and t.offset + t.nbytes <= m.size
     for a, b in zip(live, live[1:]):
         assert a.offset + a.nbytes <= b.offset
+
+
+def test_layout_columns_lays_out_what_build_does() -> None:
+    rows = [("a", "BF16", (2, 3)), ("b", "F32", ()), ("c", "BF16", (2, 3)), ("d", "U8", (0,))]
+    wire = Manifest.build(rows).to_wire(2)
+    columns = {k: wire[k] for k in TENSOR_COLUMNS}
+    assert Manifest.layout_columns(columns) == Manifest.build(rows)
+    assert "appears twice" in refused_columns({**columns, "names": "a\0b\0a\0d"})
+    assert "do not agree" in refused_columns({**columns, "shape_ids": b"\0\0\0\0"})
+    assert "tensors must be" in refused_columns({**columns, "dtypes": "x"})
+    assert "tensors must be" in refused_columns(None)
+
+
+def refused_columns(obj: Any) -> str:
+    with pytest.raises(BadRequest) as info:
+        Manifest.layout_columns(obj)
+    return info.value.message

@@ -482,3 +482,16 @@ def test_error_reply_shape_and_round_trip() -> None:
 def test_requests_are_strict_about_ints_and_bools(message: dict[str, Any]) -> None:
     with pytest.raises(BadRequest):
         parse_request(message)
+
+
+def test_reserve_takes_rows_or_columns_exactly_one() -> None:
+    columns = {"names": "a", "dtypes": b"\x0e", "shape_ndims": b"\x01", "shape_dims": b"\x02" + b"\0" * 7,
+               "shape_ids": b"\0\0\0\0"}
+    assert parse_request(req("reserve", tensors=None, columns=columns)).listing().names == "a"
+    assert parse_request(req("reserve", tensors=[["w", "F32", [2]]])).listing() == [("w", "F32", [2])]
+    with pytest.raises(BadRequest, match="exactly one of 'tensors'"):
+        parse_request(req("reserve", columns=columns)).listing()
+    with pytest.raises(BadRequest, match="exactly one of 'tensors'"):
+        parse_request(req("reserve", tensors=None)).listing()
+    assert bad_request(req("reserve", tensors=None, columns={**columns, "dtypes": "x"})).startswith(
+        "reserve: columns.dtypes: ")
