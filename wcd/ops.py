@@ -87,13 +87,19 @@ def list_entries(ctx: Context, conn: Connection, req: protocol.ListEntries) -> N
     conn.send(protocol.ok(req.id, entries=[e.describe() for e in ctx.state.cache.entries.values()]))
 
 
+def is_admin(conn: Connection) -> bool:
+    """Root or the daemon's own user. (The trust policy's admin_uids / admin_groups replace this.)"""
+    return conn.uid in (0, os.getuid())
+
+
 def leases(ctx: Context, conn: Connection, req: protocol.Leases) -> None:
-    cache = ctx.state.cache
+    """Every lease for admins; others see their own uid's only (pids and uids are not everyone's business)."""
+    cache, everyone = ctx.state.cache, is_admin(conn)
     now = cache.clock()
     conn.send(protocol.ok(req.id, leases=[
         {"id": lease.id, "entry": lease.entry.name, "kind": lease.kind, "pid": lease.pid, "uid": lease.uid,
          "expires_in_s": round(lease.expires_at - now, 3) if math.isfinite(lease.expires_at) else None}
-        for lease in cache.leases.values()]))
+        for lease in cache.leases.values() if everyone or lease.uid == conn.uid]))
 
 
 def heartbeat(ctx: Context, conn: Connection, req: protocol.Heartbeat) -> None:
