@@ -34,7 +34,7 @@ RECV_BYTES = 256 * 1024
 # A batch of one connection's requests ends after this many, or this long; then the other
 # connections run, and the rest follows on the next loop pass.
 MAX_MESSAGES_PER_WAKEUP = 64
-MAX_BATCH_S = 0.002
+MAX_BATCH_S = 0.001
 OUTPUT_HIGH_WATER = 1 << 20  # replies not yet read past this: stop taking the connection's requests
 FAIL_GRACE_S = 5.0  # a failed connection has this long to read its error line
 # The kernel's limit of fds per message. With room for all of them it never truncates, because
