@@ -3,6 +3,11 @@
 Each test reproduces one attack, scaled down to seconds, while a second client (its own process,
 so the attacker's threads cannot delay it) pings the daemon; the ping must stay fast. Attacks are
 written against the raw protocol (`Raw`), as an attacker would, not through `wcd.client`.
+
+What counts is the time a ping waited on the daemon's loop: on a shared 2-core machine other
+people's load keeps either process off a CPU for 100 ms and more, which is not what these tests
+measure, so the time both spent runnable but not running (`/proc/.../schedstat`) is taken off.
+A loop that is busy or blocked (as in a close() waiting out a linger) still counts in full.
 """
 
 from __future__ import annotations
@@ -109,29 +114,38 @@ def close_raw() -> Iterator[None]:
 PINGER = r"""
 import json, select, sys, time
 from wcd.client import Client
+
+def waited():
+    # ns that the daemon's loop thread and this thread spent runnable but off a CPU
+    return sum(int(open(path).read().split()[1]) for path in (f"/proc/{sys.argv[2]}/task/{sys.argv[2]}/schedstat",
+                                                               "/proc/thread-self/schedstat"))
+
 c = Client(sys.argv[1], timeout=60)
 c.ping()
 print("ready", flush=True)
-worst, n = 0.0, 0
+slowest, lag, n = 0.0, 0.0, 0
 while not select.select([sys.stdin], [], [], 0.005)[0]:
+    w = waited()
     t = time.perf_counter()
     c.ping()
-    worst = max(worst, time.perf_counter() - t)
-    n += 1
-print(json.dumps({"max": worst, "n": n}), flush=True)
+    dt = time.perf_counter() - t
+    slowest, lag, n = max(slowest, dt), max(lag, dt - (waited() - w) / 1e9), n + 1
+print(json.dumps({"max": slowest, "lag": lag, "n": n}), flush=True)
 """
 
 
 class Pings:
-    max: float = float("nan")
+    max: float = float("nan")  # the slowest ping
+    lag: float = float("nan")  # the most a ping waited on the daemon's loop (OS scheduling taken off)
     n: int = 0
 
 
 @contextmanager
 def pinging(d: Daemon, tail_s: float = 1.0) -> Iterator[Pings]:
     """A second client pinging every 5 ms from its own process, during the attack and `tail_s` after
-    (a stall the attack left behind counts too); `max` is its slowest ping."""
-    proc = subprocess.Popen([sys.executable, "-c", PINGER, str(d.socket)], stdin=subprocess.PIPE,
+    (a stall the attack left behind counts too)."""
+    assert d.proc is not None
+    proc = subprocess.Popen([sys.executable, "-c", PINGER, str(d.socket), str(d.proc.pid)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.stdout is not None and proc.stdin is not None
     assert proc.stdout.readline().strip() == "ready"
@@ -142,12 +156,14 @@ def pinging(d: Daemon, tail_s: float = 1.0) -> Iterator[Pings]:
     finally:
         out, _ = proc.communicate("stop\n", timeout=120)
     stats = json.loads(out)
-    result.max, result.n = stats["max"], stats["n"]
-    print(f"second client: {result.n} pings, slowest {result.max * 1000:.1f} ms")
+    result.max, result.lag, result.n = stats["max"], stats["lag"], stats["n"]
+    print(f"second client: {result.n} pings, slowest {result.max * 1000:.1f} ms, "
+          f"of it on the daemon's loop at most {result.lag * 1000:.1f} ms")
 
 
 def assert_fast(pings: Pings) -> None:
-    assert pings.n > 0 and pings.max < PING_LIMIT_S, f"a ping took {pings.max * 1000:.0f} ms during the attack"
+    assert pings.n > 0 and pings.lag < PING_LIMIT_S, (
+        f"a ping waited {pings.lag * 1000:.0f} ms on the daemon's loop during the attack")
 
 
 def open_fds(d: Daemon) -> int:
