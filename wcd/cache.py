@@ -15,10 +15,15 @@ never touches. Operations that free memory return the entries they dropped; the 
   allocation it waits for begins: a large allocation cannot expire it unseen.
 - Every entry carries its publisher's uid (the daemon's for its own loads). Only admins evict
   what they did not publish, and pin.
+- At most `max_entries` entries: each holds a descriptor, whatever its size.
+
+Every lookup a peer can trigger is indexed (entries by key and model, leases by owner and by
+deadline), so no request and no disconnect costs time in proportion to the whole cache.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 import time
@@ -37,6 +42,9 @@ Retention = Literal["pinned", "cached", "ephemeral"]
 LeaseKind = Literal["read", "fill"]
 Origin = Literal["config", "load", "publish"]
 
+DEFAULT_MAX_ENTRIES = 4096
+NEAR_MISS_CANDIDATES = 16  # entries of the same model a key_mismatch compares the key with
+
 
 @dataclass(eq=False)
 class Lease:
@@ -47,6 +55,7 @@ class Lease:
     pid: int
     uid: int
     expires_at: float
+    queued_at: float = math.inf  # the deadline its place in the expiry heap was taken for
 
 
 @dataclass(eq=False)
@@ -100,22 +109,34 @@ class Entry:
 
 class Cache:
     def __init__(self, budgets: dict[str, int], lease_ttl_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
         self.budgets = dict(budgets)
         self.lease_ttl_s = lease_ttl_s
         self.clock = clock
+        self.max_entries = max_entries
         self.entries: dict[str, Entry] = {}
         self.leases: dict[int, Lease] = {}
         self._ids = itertools.count(1)
         self.stats = {"lease_expiries": 0, "evictions": 0}
+        # Indexes over `entries` and `leases`, kept by the methods below (nothing else mutates them):
+        self._by_key: dict[WeightCacheKey, Entry] = {}
+        self._by_model: dict[str, dict[str, Entry]] = {}  # model -> entry name -> entry
+        self._used: dict[str, int] = dict.fromkeys(self.budgets, 0)
+        self._by_owner: dict[Hashable, dict[int, Lease]] = {}
+        # (deadline, lease id), one per finite lease; a heartbeat moves the deadline later without
+        # touching the heap, and expire() re-queues such leases when their old deadline comes up.
+        self._deadlines: list[tuple[float, int]] = []
 
     # -- lookup -----------------------------------------------------------------------------
 
     def used(self, device: str) -> int:
-        return sum(e.nbytes for e in self.entries.values() if e.device == device)
+        return self._used.get(device, 0)
 
     def by_key(self, key: WeightCacheKey) -> Entry | None:
-        return next((e for e in self.entries.values() if e.key == key), None)
+        return self._by_key.get(key)
+
+    def leases_of(self, owner: Hashable) -> int:
+        return len(self._by_owner.get(owner, ()))
 
     def find(self, target: str | WeightCacheKey) -> Entry:
         """The entry named `target`, or whose key equals it. A near miss reports the differing fields."""
@@ -127,7 +148,8 @@ class Cache:
         entry = self.by_key(target)
         if entry is not None:
             return entry
-        same_model = [e for e in self.entries.values() if e.key.model == target.model]
+        # A bounded sample: a peer may ask thousands of near misses against thousands of entries.
+        same_model = list(itertools.islice(self._by_model.get(target.model, {}).values(), NEAR_MISS_CANDIDATES))
         if not same_model:
             raise NotFound(f"no entry for model {target.model!r}", {"model": target.model})
         nearest = min(same_model, key=lambda e: len(e.key.diff(target)))
@@ -152,6 +174,9 @@ class Cache:
         """
         if name in self.entries:
             raise Busy(f"an entry named {name!r} already exists ({self.entries[name].state})", {"name": name})
+        if len(self.entries) >= self.max_entries:
+            raise Busy(f"the daemon holds {len(self.entries)} entries, its max_entries: evict some (wcdctl evict) "
+                       "or raise max_entries in the daemon's config", {"limit": "max_entries"})
         if self.by_key(key) is not None:
             raise Busy(f"an entry with this key already exists: {self.by_key(key).name!r}")  # type: ignore[union-attr]
         device = key.device
@@ -162,6 +187,9 @@ class Cache:
         state: State = "filling" if origin == "publish" else "loading"
         entry = Entry(name, key, manifest, nbytes, retention, origin, state, now, now, publisher=publisher)
         self.entries[name] = entry
+        self._by_key[key] = entry
+        self._by_model.setdefault(key.model, {})[name] = entry
+        self._used[device] = self._used.get(device, 0) + nbytes
         for v in victims:
             self._drop(v)
             self.stats["evictions"] += 1
@@ -211,10 +239,15 @@ class Cache:
         return [self._drop(entry)]
 
     def _drop(self, entry: Entry) -> Entry:
-        for lease_id in list(entry.leases):
-            del self.leases[lease_id]
-        entry.leases.clear()
+        for lease in list(entry.leases.values()):
+            self._forget(lease)
         del self.entries[entry.name]
+        del self._by_key[entry.key]
+        same_model = self._by_model[entry.key.model]
+        del same_model[entry.name]
+        if not same_model:
+            del self._by_model[entry.key.model]
+        self._used[entry.device] -= entry.nbytes
         return entry
 
     # -- loading ----------------------------------------------------------------------------
@@ -256,6 +289,7 @@ class Cache:
     def handed_out(self, lease: Lease) -> None:
         """Its holder is being told the lease's id: the heartbeat TTL runs from now."""
         lease.expires_at = self.clock() + self.lease_ttl_s
+        self._queue(lease)
 
     def _new_lease(self, entry: Entry, kind: LeaseKind, owner: Hashable, pid: int, uid: int,
                    ttl_s: float | None = None) -> Lease:
@@ -264,7 +298,23 @@ class Cache:
         entry.leases[lease.id] = lease
         entry.last_used = now
         self.leases[lease.id] = lease
+        self._by_owner.setdefault(owner, {})[lease.id] = lease
+        self._queue(lease)
         return lease
+
+    def _queue(self, lease: Lease) -> None:
+        if math.isfinite(lease.expires_at):  # the daemon's own holds never expire
+            lease.queued_at = lease.expires_at
+            heapq.heappush(self._deadlines, (lease.expires_at, lease.id))
+
+    def _forget(self, lease: Lease) -> None:
+        """Remove a lease from every index (its heap place goes stale and is skipped)."""
+        del self.leases[lease.id]
+        del lease.entry.leases[lease.id]
+        owned = self._by_owner[lease.owner]
+        del owned[lease.id]
+        if not owned:
+            del self._by_owner[lease.owner]
 
     def _owned(self, owner: Hashable, lease_id: int) -> Lease:
         lease = self.leases.get(lease_id)
@@ -283,6 +333,8 @@ class Cache:
                 lost.append(lease_id)
             else:
                 lease.expires_at = deadline
+                if deadline < lease.queued_at:  # the TTL was shortened by a reload
+                    self._queue(lease)
         return lost
 
     def release(self, owner: Hashable, lease_id: int) -> list[Entry]:
@@ -300,8 +352,7 @@ class Cache:
         entry = lease.entry
         if entry.state == "evicting":
             return entry, self._end(lease)
-        del self.leases[lease.id]
-        del entry.leases[lease.id]
+        self._forget(lease)
         entry.state = "ready"
         entry.done_bytes = entry.manifest.nbytes
         entry.last_used = self.clock()
@@ -315,8 +366,7 @@ class Cache:
 
     def _end(self, lease: Lease) -> list[Entry]:
         entry = lease.entry
-        del self.leases[lease.id]
-        del entry.leases[lease.id]
+        self._forget(lease)
         entry.last_used = self.clock()
         if entry.name not in self.entries:
             return []
@@ -330,21 +380,40 @@ class Cache:
     def expire(self) -> tuple[list[Lease], list[Entry]]:
         """End every lease past its deadline. Returns (expired leases, dropped entries)."""
         now = self.clock()
-        expired = [lease for lease in self.leases.values() if lease.expires_at <= now]
+        expired: list[Lease] = []
         dropped: list[Entry] = []
-        for lease in expired:
+        while (lease := self._due(now)) is not None:
+            if lease.expires_at > now:  # renewed since it was queued
+                self._queue(lease)
+                continue
+            expired.append(lease)
             dropped += self._end(lease)
         self.stats["lease_expiries"] += len(expired)
         return expired, dropped
 
+    def _due(self, now: float) -> Lease | None:
+        """Pop the next live lease whose queued deadline has come, skipping stale heap places."""
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            deadline, lease_id = heapq.heappop(heap)
+            lease = self.leases.get(lease_id)
+            if lease is not None and lease.queued_at == deadline:
+                return lease
+        return None
+
     def next_expiry(self) -> float | None:
-        return min((lease.expires_at for lease in self.leases.values()), default=None)
+        """When the next lease may expire (no later than that; a heartbeat may have moved it on)."""
+        heap = self._deadlines
+        while heap and (heap[0][1] not in self.leases or self.leases[heap[0][1]].queued_at != heap[0][0]):
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
 
     def drop_owner(self, owner: Hashable) -> list[Entry]:
         """The owner (a connection) went away: end all its leases."""
         dropped: list[Entry] = []
-        for lease in [lease for lease in self.leases.values() if lease.owner == owner]:
-            dropped += self._end(lease)
+        for lease in list(self._by_owner.get(owner, {}).values()):
+            if lease.id in self.leases:  # a fill lease's end drops its entry's other leases
+                dropped += self._end(lease)
         return dropped
 
 

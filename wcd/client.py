@@ -264,14 +264,26 @@ class Client:
                 self.sock.sendall(data)
             except OSError as e:
                 # The daemon may have said why before closing (e.g. permission_denied at accept).
-                self._fail(self._parting_error() or
-                           DaemonUnavailable(f"connection to {self.path} lost ({e.strerror or e})"))
+                parting = self._parting_error()
+                if parting is None and not self._leases and op != "hello":
+                    # Closed quietly while this client held nothing (the daemon's idle_timeout_s):
+                    # nothing is lost by connecting again, once.
+                    self._reconnect()
+                    self._send_again(data)
+                else:
+                    self._fail(parting or DaemonUnavailable(f"connection to {self.path} lost ({e.strerror or e})"))
         reply, fds = self._wait(req_id)
         if not reply.get("ok"):
             for fd in fds:
                 os.close(fd)
             raise from_wire(reply.get("error"))
         return reply, fds
+
+    def _send_again(self, data: bytes) -> None:
+        try:
+            self.sock.sendall(data)
+        except OSError as e:
+            self._fail(DaemonUnavailable(f"connection to {self.path} lost ({e.strerror or e})"))
 
     def _wait(self, req_id: int) -> tuple[dict[str, Any], list[int]]:
         with self._cond:

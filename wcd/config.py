@@ -16,7 +16,16 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from wcd.errors import ConfigError
 from wcd.key import HOST_DEVICE
@@ -91,6 +100,15 @@ def parse_host_port(value: str) -> tuple[str, int]:
 Size = Annotated[StrictInt | str, Field(union_mode="left_to_right")]
 
 
+def _bytes(value: object) -> object:
+    return parse_size(value) if isinstance(value, str) and not value.strip().endswith("%") else value
+
+
+MIB = 1 << 20
+# Buffer limits hold at least one largest frame (wire.MAX_FRAME_BYTES, 32 MiB).
+BufferBytes = Annotated[StrictInt, BeforeValidator(_bytes), Field(ge=32 * MIB, le=1 << 40)]
+
+
 class DaemonConfig(BaseModel):
     """`[daemon]`. Roles (DESIGN §10): every allowed peer reads and publishes (its entries carry
     its uid); admins (root, the daemon's own uid, `admin_uids`, members of `admin_groups`) also
@@ -118,6 +136,20 @@ class DaemonConfig(BaseModel):
     max_connections: Annotated[int, Field(ge=1, le=65536)] = 1024
     # "host:port" (IPv6 as "[::1]:9464") serving GET /metrics over HTTP; off when unset.
     metrics_listen: str | None = None
+    # What one peer may hold, so that no peer (or uid) can keep the others out; each limit a
+    # peer hits is a `busy` reply naming it. Connections:
+    max_connections_per_uid: Annotated[int, Field(ge=1, le=65536)] = 512
+    hello_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 10.0  # a new connection must say hello by then
+    idle_timeout_s: Annotated[float, Field(gt=0, le=7 * 24 * 3600)] = 600.0  # closed if silent, no leases
+    # Bytes buffered for peers (requests being received, replies not yet read), all and per uid;
+    # past a limit the connection holding the most is cut off:
+    max_buffer_bytes: BufferBytes = 1 << 30
+    max_buffer_bytes_per_uid: BufferBytes = 256 * MIB
+    # Descriptors: sent but not yet read by the client, per connection; a uid's connections and
+    # unread descriptors together; entries (each holds an arena descriptor).
+    max_fds_per_connection: Annotated[int, Field(ge=1, le=4096)] = 64
+    max_fds_per_uid: Annotated[int, Field(ge=2, le=1 << 20)] = 4096
+    max_entries: Annotated[int, Field(ge=1, le=1 << 20)] = 4096
 
     @field_validator("budget")
     @classmethod

@@ -29,7 +29,7 @@ from wcd import __version__, protocol
 from wcd.arenas import backend_for
 from wcd.cache import Lease
 from wcd.config import format_size, peer_gids
-from wcd.connection import Connection, close_fds
+from wcd.connection import Connection
 from wcd.errors import BadRequest, Busy, Internal, NotFound, PermissionDenied, UnsupportedVersion, WcdError
 from wcd.key import HOST_DEVICE, WeightCacheKey
 from wcd.manifest import Manifest
@@ -165,12 +165,14 @@ async def acquire(ctx: Context, conn: Connection, req: protocol.Acquire) -> None
         await asyncio.to_thread(entry.manifest.wire, conn.version)
         if ctx.state.cache.entries.get(entry.name) is not entry:
             raise NotFound(f"entry {entry.name!r} was evicted while it was being acquired")
+    conn.quotas.fd_room(conn)
     _send_lease(ctx, conn, req.id, ctx.state.cache.acquire(entry, conn, conn.pid, conn.uid))
 
 
 async def reserve(ctx: Context, conn: Connection, req: protocol.Reserve) -> None:
     _check_publishable(ctx, conn, req.key, req.retention)
     key = req.key.model_copy(update={"device": ctx.residency.canonical_device(req.key.device, from_peer=True)})
+    conn.quotas.fd_room(conn)
     manifest = await asyncio.to_thread(_reserved_manifest, req.listing(), conn.version)
     name = f"{key.model}#{key.digest()[:8]}"
     _send_lease(ctx, conn, req.id, await ctx.residency.reserve(name, key, manifest, req.retention, conn,
@@ -296,22 +298,19 @@ OPS: dict[str, Op[Any]] = {
 }
 
 
-def dispatch(ctx: Context, conn: Connection, message: dict[str, Any], fds: list[int]) -> None:
+def dispatch(ctx: Context, conn: Connection, message: dict[str, Any]) -> None:
     """Answer one decoded message: at once, or from a task of the connection for slow ops."""
     started = time.perf_counter()
     req_id = message.get("id") if type(message.get("id")) is int else None
-    op = message.get("op")
+    op = message.get("op") if type(message.get("op")) is str else None  # a list or map is no op (nor hashable)
     try:
-        if fds:
-            close_fds(fds)
-            raise BadRequest("clients do not send file descriptors in protocol v1")
         req = protocol.parse_request(message)
         if not conn.hello and req.op != "hello":
             raise BadRequest("the first request on a connection must be hello")
         spec = OPS[req.op]
         if not spec.slow:
             spec.handler(ctx, conn, req)
-        elif len(conn.tasks) >= MAX_INFLIGHT:
+        elif sum(not t.done() for t in conn.tasks) >= MAX_INFLIGHT:  # done ones leave at the next loop pass
             raise Busy(f"more than {MAX_INFLIGHT} requests in flight on this connection")
         else:
             task = conn.loop.create_task(_run(ctx, conn, spec, req, started))

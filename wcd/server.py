@@ -1,6 +1,7 @@
 """The daemon's lifecycle: `startup()`, `serve()`, `shutdown()`, `reload()`, signals, and the accept loop.
 
-Owns the listening socket, peer credentials (`SO_PEERCRED`) and who may connect, the background
+Owns the listening socket, peer credentials (`SO_PEERCRED`) and who may connect (allowed, within
+the `Quotas`; a connection that says no hello, or sits idle holding nothing, is closed), the background
 tasks, and systemd's notifications (READY, STATUS, WATCHDOG, STOPPING, RELOADING). Must not hold
 cache rules (`wcd.cache`), entry I/O (`wcd.residency`), per-client framing (`wcd.connection`) or
 request handling (`wcd.ops`): it builds those rooms at start-up and wires them together.
@@ -15,6 +16,7 @@ import grp
 import logging
 import os
 import pwd
+import resource
 import signal
 import socket
 import struct
@@ -27,8 +29,8 @@ from typing import Any
 from wcd import __version__, ops, systemd
 from wcd.cache import Cache
 from wcd.config import Config, format_progress, format_size, load_config
-from wcd.connection import Connection
-from wcd.errors import BadRequest, Busy, ConfigError, PermissionDenied, WcdError
+from wcd.connection import Connection, Limits, Quotas
+from wcd.errors import BadRequest, Busy, ConfigError, Internal, PermissionDenied, WcdError
 from wcd.metrics import Metrics
 from wcd.metrics_http import MetricsHttp
 from wcd.residency import Residency, device_budgets
@@ -37,6 +39,7 @@ from wcd.state import ServerState
 log = logging.getLogger("wcd")
 
 _PEERCRED = struct.Struct("3i")
+ACCEPT_PAUSE_S = 0.1  # out of descriptors: how long to leave new connections in the backlog
 
 
 class Server:
@@ -55,9 +58,11 @@ class Server:
         self._bound_path: Path | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._allowed_gids = config.daemon.allowed_gids()
+        self._fd_limit = _raise_fd_limit()
         # Built by startup(), which needs the running loop and the devices' memory sizes:
         self.state: ServerState
         self.residency: Residency
+        self.quotas: Quotas
         self._ops: ops.Context
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -66,8 +71,9 @@ class Server:
         loop = asyncio.get_running_loop()
         config = self._config
         budgets, devices = device_budgets(config)
-        self.state = ServerState(config, self.instance, Cache(budgets, config.daemon.lease_ttl_s), devices,
-                                 self.started_at)
+        cache = Cache(budgets, config.daemon.lease_ttl_s, max_entries=config.daemon.max_entries)
+        self.state = ServerState(config, self.instance, cache, devices, self.started_at)
+        self.quotas = Quotas(self._limits(config), held_elsewhere=lambda: len(cache.entries))
         metrics = Metrics(self.state)
         self.residency = Residency(self.state, metrics, self._spawn)
         self._ops = ops.Context(self.state, self.residency, metrics)
@@ -75,6 +81,7 @@ class Server:
                              (signal.SIGHUP, lambda: self._spawn(self.reload()))):
             loop.add_signal_handler(sig, handler)
         self._spawn(self.residency.expire_leases())
+        self._spawn(self._close_idle())
         await self.residency.adopt_parked(self._parked_fds)
         self._parked_fds = []
         # Admit configured models before serving, so an engine that connects at once waits for
@@ -152,6 +159,8 @@ class Server:
         self.state.config = new
         self._allowed_gids = new.daemon.allowed_gids()
         cache.lease_ttl_s = new.daemon.lease_ttl_s
+        cache.max_entries = new.daemon.max_entries
+        self.quotas.limits = self._limits(new)
         for model in fresh.values():
             if model.name not in cache.entries:
                 await self.residency.admit_configured(model)
@@ -191,18 +200,26 @@ class Server:
                 return
             except OSError as e:
                 if e.errno in (errno.EMFILE, errno.ENFILE):
-                    log.error("out of file descriptors; raise LimitNOFILE")
+                    # The budgets keep a reserve below RLIMIT_NOFILE, so this is something else's
+                    # doing; wait instead of spinning on a listener that stays readable.
+                    log.error("out of file descriptors (%d in use by peers and entries); raise LimitNOFILE",
+                              self.quotas.fds_in_use())
+                    loop = asyncio.get_running_loop()
+                    loop.remove_reader(self._listener.fileno())
+                    loop.call_later(ACCEPT_PAUSE_S, loop.add_reader, self._listener.fileno(), self._accept)
                 return
             sock.setblocking(False)
             pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-            conn = Connection(sock, pid, uid, gid, functools.partial(ops.dispatch, self._ops), self._connection_lost)
+            refusal = self.quotas.refusal(uid)
+            conn = Connection(sock, pid, uid, gid, functools.partial(ops.dispatch, self._ops), self._connection_lost,
+                              self.quotas)
             if not self._allowed(uid, gid):
                 conn.fail(PermissionDenied(
                     f"uid {uid} is not allowed to use this daemon: add it to allowed_uids, or the user to a "
                     f"group in allowed_groups, in the daemon's config", {"uid": uid}))
                 continue
-            if len(self.state.connections) >= self.state.config.daemon.max_connections:
-                conn.fail(Busy(f"too many connections ({len(self.state.connections)}); try again later"))
+            if refusal is not None:
+                conn.fail(refusal)
                 continue
             self.state.connections.add(conn)
 
@@ -222,6 +239,29 @@ class Server:
     def _connection_lost(self, conn: Connection) -> None:
         self.state.connections.discard(conn)
         self.residency.reclaim(self.state.cache.drop_owner(conn))
+
+    async def _close_idle(self) -> None:
+        """Forever: close connections that said no hello in time, or sit silent holding nothing."""
+        loop = asyncio.get_running_loop()
+        while True:
+            daemon = self.state.config.daemon
+            await asyncio.sleep(min(1.0, daemon.hello_timeout_s / 4, daemon.idle_timeout_s / 4))
+            now = loop.time()
+            for conn in list(self.state.connections):
+                if not conn.hello and now - conn.opened_at > daemon.hello_timeout_s:
+                    conn.fail(Busy(f"no hello within {daemon.hello_timeout_s:g} s of connecting (hello_timeout_s)",
+                                   {"limit": "hello_timeout_s"}))
+                elif (now - conn.last_active > daemon.idle_timeout_s and not conn.tasks
+                      and not self.state.cache.leases_of(conn)):
+                    # Quietly: the client library reconnects on its next request.
+                    log.info("%r: idle for %g s without leases (idle_timeout_s); closing it", conn,
+                             daemon.idle_timeout_s)
+                    conn.close()
+
+    def _limits(self, config: Config) -> Limits:
+        d = config.daemon
+        return Limits(d.max_connections, d.max_connections_per_uid, d.max_buffer_bytes, d.max_buffer_bytes_per_uid,
+                      d.max_fds_per_connection, d.max_fds_per_uid, self._fd_limit - _fd_reserve(self._fd_limit))
 
     # -- systemd: notifications and the watchdog --------------------------------------------
 
@@ -271,10 +311,38 @@ def _log_failure(task: asyncio.Task[Any]) -> None:
         log.error("background task failed", exc_info=exc)
 
 
+def _raise_fd_limit() -> int:
+    """Raise RLIMIT_NOFILE's soft limit to the hard one (peers and arenas take one each); the limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
+def _fd_reserve(limit: int) -> int:
+    """Descriptors kept out of every budget: for accepting a peer to tell it `busy`, loads' checkpoint
+    files, the fd store's records, logging."""
+    return max(64, limit // 8)
+
+
 def _bind(path: Path, groups: list[str]) -> socket.socket:
     """Bind the listening socket with mode 0660 (group: the first allowed group, if we may).
+    A failure other than permission (a full disk, a missing parent) is one line."""
+    try:
+        return _bind_at(path, groups)
+    except PermissionError:
+        raise  # the CLI says which file and what to do
+    except OSError as e:
+        raise Internal(f"cannot create the socket {path}: {e.strerror or e} (free space there, "
+                       "or pick another --socket)") from None
 
-    The socket is bound, given its group and mode in a private directory next to `path`, then
+
+def _bind_at(path: Path, groups: list[str]) -> socket.socket:
+    """The socket is bound, given its group and mode in a private directory next to `path`, then
     renamed onto it: a peer who can write to the socket's directory can swap `path` for a symlink
     at any moment, and chmod/chown by path would follow it (fchmod on a socket fd does not reach
     the bound inode). rename replaces whatever `path` is then, without following it."""

@@ -549,3 +549,58 @@ def test_describe(cache: Cache, clock: Clock) -> None:
         "origin": "load", "tensors": 2, "acquires": 1}
     assert d["progress"] == {"done": 0, "total": MANIFEST.nbytes}
     assert d["key"]["model"] == "e"
+
+
+# -- indexes: what a peer can make the daemon do stays proportional to its own share ---------------
+
+
+def test_a_renewed_lease_is_requeued_not_expired(cache: Cache, clock: Clock) -> None:
+    e = admit(cache, "e", 100)
+    kept, dropped = cache.acquire(e, "a"), cache.acquire(e, "b")
+    clock.tick(TTL / 2)
+    assert cache.heartbeat("a", [kept.id]) == []
+    clock.tick(TTL / 2)
+    assert cache.expire() == ([dropped], [])
+    clock.tick(TTL / 2)
+    assert cache.expire() == ([kept], []) and cache.leases == {}
+    assert len(cache._deadlines) == 0  # every heap place was consumed
+
+
+def test_a_shortened_ttl_takes_effect_at_the_next_heartbeat(cache: Cache, clock: Clock) -> None:
+    lease = cache.acquire(admit(cache, "e", 100), "a")
+    cache.lease_ttl_s = 1.0
+    cache.heartbeat("a", [lease.id])
+    clock.tick(1.0)
+    assert cache.expire() == ([lease], [])
+
+
+def test_a_publishers_disconnect_drops_its_filling_entry_and_the_entrys_leases(cache: Cache) -> None:
+    entry, fill, _ = cache.reserve("p", key("p"), MANIFEST, 100, "cached", "a")
+    assert cache.drop_owner("a") == [entry]
+    assert cache.entries == {} and cache.leases == {} and cache.used("cpu") == 0
+
+
+def test_entries_are_indexed_by_key_and_usage_is_kept(cache: Cache) -> None:
+    e = admit(cache, "e", 100, transform="fp8")
+    assert cache.by_key(key("e", transform="fp8")) is e and cache.by_key(key("e")) is None
+    assert cache.used("cpu") == 100
+    cache.evict(e)
+    assert cache.by_key(key("e", transform="fp8")) is None and cache.used("cpu") == 0
+
+
+def test_a_near_miss_compares_a_bounded_sample(cache: Cache) -> None:
+    for i in range(40):
+        cache.admit(f"m{i}", key("m", transform=f"t{i}"), MANIFEST, 1, "cached", "load")
+    with pytest.raises(KeyMismatch) as info:
+        cache.find(key("m", transform="nope"))
+    assert info.value.details["fields"] == ["transform"]
+
+
+def test_max_entries_is_a_busy_line(clock: Clock) -> None:
+    cache = Cache({"cpu": 1000}, TTL, clock=clock, max_entries=2)
+    admit(cache, "a", 1)
+    admit(cache, "b", 1)
+    with pytest.raises(Busy, match="max_entries"):
+        cache.admit("c", key("c"), MANIFEST, 1, "cached", "load")
+    cache.evict(cache.entries["a"])
+    admit(cache, "c", 1)
