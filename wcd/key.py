@@ -11,12 +11,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from pathlib import Path
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from wcd.checkpoint import SAMPLE_BYTES, SAMPLES_PER_FILE, checkpoint_files, read_header
+from wcd.checkpoint import SAMPLE_BYTES, SAMPLES_PER_FILE, Checkpoint
 
 Text = Annotated[str, StringConstraints(max_length=1024)]
 ShortText = Annotated[str, StringConstraints(max_length=256)]
@@ -55,22 +54,26 @@ class WeightCacheKey(BaseModel):
 
 
 def fingerprint_checkpoint(path: str | os.PathLike[str]) -> str:
-    """Fingerprint a safetensors file or directory of shards.
+    """Fingerprint a safetensors file or directory of shards, read with the caller's own rights
+    (links followed: this is the client side; the daemon opens checkpoints guarded and calls `fingerprint`)."""
+    with Checkpoint.open(path, follow_links=True, owner_check=False) as ckpt:
+        return fingerprint(ckpt)
+
+
+def fingerprint(ckpt: Checkpoint) -> str:
+    """Fingerprint an open checkpoint, through its descriptors.
 
     Hashes, per file in name order: the file name, its size, its header bytes and
     `SAMPLES_PER_FILE` evenly spaced `SAMPLE_BYTES`-byte windows of its data section (first
     and last included). Cost: a few hundred small reads, independent of checkpoint size.
     """
     h = hashlib.blake2b(digest_size=16)
-    for file in checkpoint_files(Path(path)):
-        header = read_header(file)
-        h.update(file.name.encode() + b"\0")
+    for header, fd in zip(ckpt.headers, ckpt.fds):
+        h.update(header.file.name.encode() + b"\0")
         h.update(header.file_size.to_bytes(8, "little"))
         h.update(header.raw)
-        with open(file, "rb") as f:
-            for pos in _sample_positions(header.data_start, header.file_size):
-                f.seek(pos)
-                h.update(f.read(SAMPLE_BYTES))
+        for pos in _sample_positions(header.data_start, header.file_size):
+            h.update(os.pread(fd, SAMPLE_BYTES, pos))
     return h.hexdigest()
 
 

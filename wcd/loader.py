@@ -1,7 +1,8 @@
 """Fill an arena from a checkpoint in worker threads, off the event loop, with progress.
 
 The plan (from `Checkpoint.copy_plan`) is a list of file ranges -> arena offsets, large tensors
-already split into chunks. Worker threads execute it through the arena's writer (host: preadv
+already split into chunks and runs of small ones batched. Every read goes through the descriptors
+the checkpoint was opened with, never by path again. Worker threads execute it through the arena's writer (host: preadv
 straight into the shared mapping; CUDA: pinned staging + async copies). Progress is a byte
 counter the event loop reads; cancellation is checked between chunks.
 """
@@ -17,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from wcd import key
 from wcd.arenas.base import Arena
 from wcd.checkpoint import Checkpoint, CopyOp
 from wcd.errors import LoadFailed
@@ -50,26 +52,32 @@ def default_workers() -> int:
 
 def fill_arena(
     arena: Arena, checkpoint: Checkpoint, ops: list[CopyOp], progress: ProgressSink,
-    cancelled: Callable[[], bool] = lambda: False, workers: int | None = None,
+    cancelled: Callable[[], bool] = lambda: False, workers: int | None = None, fingerprint: str | None = None,
 ) -> None:
-    """Blocking: run every copy op, `workers` at a time. Call it from a thread, never the loop."""
-    fds: dict[str, int] = {}
+    """Blocking: run every copy op, `workers` at a time, through the checkpoint's open descriptors.
+    Call it from a thread, never the loop.
+
+    Then fail (`LoadFailed`) if a shard was written meanwhile: its size or times changed since it
+    was opened, or (given the fingerprint taken at admission) its sampled bytes differ now. Either
+    would leave the arena with a mix of old and new bytes under the old fingerprint.
+    """
     writer = arena.writer()
     try:
-        for h in checkpoint.headers:
-            fds[str(h.file)] = os.open(h.file, os.O_RDONLY | os.O_CLOEXEC)
-
         failed = threading.Event()  # one failed chunk stops the others early
 
         def run(op: CopyOp) -> None:
             if failed.is_set() or cancelled():
                 raise Cancelled()
             try:
-                writer.copy_from_file(fds[str(op.file)], op.file_offset, op.arena_offset, op.nbytes)
+                fd = checkpoint.fds[op.shard]
+                if op.pieces:
+                    writer.copy_scattered(fd, op.file_offset, op.arena_offset, op.nbytes, op.pieces)
+                else:
+                    writer.copy_from_file(fd, op.file_offset, op.arena_offset, op.nbytes)
             except BaseException:
                 failed.set()
                 raise
-            progress.add(op.nbytes)
+            progress.add(op.file_nbytes)
 
         with ThreadPoolExecutor(workers or default_workers(), thread_name_prefix="wcd-load") as pool:
             futures = [pool.submit(run, op) for op in ops]
@@ -79,12 +87,16 @@ def fill_arena(
             raise real[0]
         if errors:
             raise Cancelled()
+        changed = checkpoint.changed()
+        if not changed and fingerprint is not None and key.fingerprint(checkpoint) != fingerprint:
+            changed = [checkpoint.path]
+        if changed:
+            raise LoadFailed(f"{changed[0]} changed while it was being loaded (written in place?); nothing "
+                             "was kept: load it again once it is complete")
     except OSError as e:
         raise LoadFailed(f"{checkpoint.path}: read failed: {e.strerror or e}") from None
     finally:
         writer.close()
-        for fd in fds.values():
-            os.close(fd)
 
 
 DIGEST_CHUNK = 64 << 20
@@ -110,15 +122,11 @@ def digest_arena(arena: Arena, manifest: Manifest) -> dict[str, str]:
 
 
 def digest_checkpoint(checkpoint: Checkpoint) -> dict[str, str]:
-    """Per-tensor content digest of a checkpoint on disk (blocking)."""
+    """Per-tensor content digest of a checkpoint on disk, through its open descriptors (blocking)."""
     out: dict[str, str] = {}
-    for h in checkpoint.headers:
-        fd = os.open(h.file, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            out.update(_digest_ranges(functools.partial(_pread, fd),
-                                      [(t.name, t.begin, t.end - t.begin) for t in h.tensors]))
-        finally:
-            os.close(fd)
+    for h, fd in zip(checkpoint.headers, checkpoint.fds):
+        out.update(_digest_ranges(functools.partial(_pread, fd),
+                                  [(t.name, t.begin, t.end - t.begin) for t in h.tensors]))
     return out
 
 

@@ -23,7 +23,8 @@ from wcd.cache import Entry, Lease, Origin, Retention
 from wcd.checkpoint import Checkpoint
 from wcd.config import Config, ModelConfig, format_size, parse_size
 from wcd.errors import BadRequest, Busy, LoadFailed, NotFound, WcdError
-from wcd.key import HOST_DEVICE, WeightCacheKey, fingerprint_checkpoint
+from wcd.key import HOST_DEVICE, WeightCacheKey
+from wcd.key import fingerprint as key_fingerprint
 from wcd.loader import Cancelled, default_workers, digest_arena, digest_checkpoint, fill_arena
 from wcd.manifest import Manifest
 from wcd.metrics import Metrics
@@ -86,21 +87,28 @@ class Residency:
         if model.name in self.cache.entries:
             return  # adopted from the fd store, or still leased after a reload changed it
         try:
-            entry = await self.admit_load(model.name, model.path, model.device, model.retention, "config")
+            entry = await self.admit_load(model.name, model.path, model.device, model.retention, "config",
+                                          model.follow_symlinks)
         except WcdError as e:
             log.error("cannot load %s: %s", model.name, e.message)
             return
         self.start_fill(entry)
 
-    async def admit_load(self, name: str, path: Path, device: str, retention: Retention, origin: Origin) -> Entry:
-        """Read the checkpoint's headers, fingerprint it, and admit an entry (state loading)."""
+    async def admit_load(self, name: str, path: Path, device: str, retention: Retention, origin: Origin,
+                         follow_links: bool = False) -> Entry:
+        """Open the checkpoint's shards (kept open until the fill ends), read their headers,
+        fingerprint them through the same descriptors, and admit an entry (state loading)."""
         canonical = self.canonical_device(device)
-        ckpt = await asyncio.to_thread(Checkpoint.open, path)
-        fingerprint = await asyncio.to_thread(fingerprint_checkpoint, ckpt.path)
-        manifest = ckpt.manifest()
-        key = WeightCacheKey(model=name, path=str(ckpt.path), fingerprint=fingerprint, device=canonical)
-        nbytes = backend_for(canonical).arena_size(manifest.size, canonical)
-        entry, victims = self.cache.admit(name, key, manifest, nbytes, retention, origin)
+        ckpt = await asyncio.to_thread(Checkpoint.open, path, follow_links)
+        try:
+            fingerprint = await asyncio.to_thread(key_fingerprint, ckpt)
+            manifest = ckpt.manifest()
+            key = WeightCacheKey(model=name, path=str(ckpt.path), fingerprint=fingerprint, device=canonical)
+            nbytes = backend_for(canonical).arena_size(manifest.size, canonical)
+            entry, victims = self.cache.admit(name, key, manifest, nbytes, retention, origin)
+        except BaseException:
+            ckpt.close()
+            raise
         self.reclaim(victims)
         self._ready[name] = asyncio.Event()
         self._checkpoints[name] = ckpt
@@ -122,15 +130,18 @@ class Residency:
                                                   entry.name)
             await asyncio.to_thread(fill_arena, entry.arena, ckpt, ckpt.copy_plan(manifest), _EntryProgress(entry),
                                     lambda: entry.state == "evicting",
-                                    self.state.config.daemon.load_workers or default_workers())
+                                    self.state.config.daemon.load_workers or default_workers(),
+                                    entry.key.fingerprint)
             await asyncio.to_thread(entry.arena.seal)
         except BaseException as e:
+            ckpt.close()
             self.reclaim(self.cache.load_failed(entry))
             if isinstance(e, Cancelled):
                 raise NotFound(f"loading {entry.name} was cancelled: the entry was evicted") from None
             if isinstance(e, (WcdError, asyncio.CancelledError)):
                 raise
             raise LoadFailed(f"loading {entry.name} failed: {e}") from e
+        ckpt.close()
         seconds = time.monotonic() - started
         self._metrics.loaded(entry.device, manifest.nbytes, seconds)
         log.info("loaded %s in %.2f s (%.2f GB/s)", entry.name, seconds, manifest.nbytes / max(seconds, 1e-9) / 1e9)
@@ -213,8 +224,11 @@ class Residency:
                 return actual, await asyncio.shield(self._digests[entry.name]), "digest at commit"
             if not Path(entry.key.path).exists():
                 raise NotFound(f"{entry.key.path} is gone: nothing to verify {entry.name!r} against")
-            ckpt = await asyncio.to_thread(Checkpoint.open, entry.key.path)
-            return actual, await asyncio.to_thread(digest_checkpoint, ckpt), str(ckpt.path)
+            ckpt = await asyncio.to_thread(Checkpoint.open, entry.key.path, self._follow_links(entry.name))
+            try:
+                return actual, await asyncio.to_thread(digest_checkpoint, ckpt), str(ckpt.path)
+            finally:
+                ckpt.close()
         finally:
             self.reclaim(self.cache.release(holder, lease.id))
 
@@ -232,7 +246,9 @@ class Residency:
                 asyncio.get_running_loop().run_in_executor(None, entry.arena.close)
                 entry.arena = None
             self._digests.pop(entry.name, None)
-            self._checkpoints.pop(entry.name, None)
+            ckpt = self._checkpoints.pop(entry.name, None)
+            if ckpt is not None:
+                ckpt.close()
             event = self._ready.pop(entry.name, None)
             if event is not None:
                 event.set()
@@ -311,7 +327,7 @@ class Residency:
         notes = []
         if rec.origin != "publish":
             if Path(rec.key.path).exists():
-                fingerprint = await asyncio.to_thread(fingerprint_checkpoint, rec.key.path)
+                fingerprint = await asyncio.to_thread(self._fingerprint, rec.key.path, self._follow_links(rec.name))
                 if fingerprint != rec.key.fingerprint:
                     raise BadRequest(f"stale: {rec.key.path} changed since it was loaded")
             else:
@@ -329,6 +345,14 @@ class Residency:
         self.cache.loaded(entry)
         self._parked.add(entry.name)  # systemd still holds the fds: never store them twice
         return entry
+
+    def _follow_links(self, name: str) -> bool:
+        return any(m.follow_symlinks for m in self.state.config.models if m.name == name)
+
+    @staticmethod
+    def _fingerprint(path: str, follow_links: bool) -> str:
+        with Checkpoint.open(path, follow_links) as ckpt:
+            return key_fingerprint(ckpt)
 
     # -- shutdown ---------------------------------------------------------------------------
 

@@ -24,6 +24,15 @@ class ArenaWriter(ABC):
     @abstractmethod
     def copy_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int) -> None: ...
 
+    def copy_scattered(self, fd: int, file_offset: int, arena_offset: int, nbytes: int,
+                       pieces: tuple[tuple[int, int], ...]) -> None:
+        """Copy a contiguous file range into `pieces` (offset relative to `arena_offset`, length) of
+        the `nbytes` arena bytes at `arena_offset`; the bytes between pieces are undefined after.
+        This default copies piece by piece; writers override it with one read and one write."""
+        for rel, n in pieces:
+            self.copy_from_file(fd, file_offset, arena_offset + rel, n)
+            file_offset += n
+
     @abstractmethod
     def close(self) -> None:
         """Wait for outstanding copies and release staging resources."""

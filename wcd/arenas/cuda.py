@@ -191,6 +191,22 @@ class _Lane:
             _check(cuda.cuEventRecord(self.events[i], self.stream), "cuEventRecord")
             file_offset, dst, nbytes = file_offset + n, dst + n, nbytes - n
 
+    def gather(self, fd: int, file_offset: int, dst: int, nbytes: int, pieces: tuple[tuple[int, int], ...]) -> bool:
+        """One preadv scatters a file range into a staging buffer laid out like the arena's `nbytes`
+        at `dst`, one async copy moves it. False (nothing done) if it does not fit one buffer."""
+        if nbytes > self.nbytes:
+            return False
+        i, self.turn = self.turn, (self.turn + 1) % len(self.ptrs)
+        _check(cuda.cuEventSynchronize(self.events[i]), "cuEventSynchronize")
+        staging = self.views[i]
+        want = sum(n for _, n in pieces)
+        got = os.preadv(fd, [staging[rel : rel + n] for rel, n in pieces], file_offset)
+        if got != want:  # short only at end of file, or a file that shrank: let the caller redo it
+            return False
+        _check(cuda.cuMemcpyHtoDAsync(dst, self.ptrs[i], nbytes, self.stream), "cuMemcpyHtoDAsync")
+        _check(cuda.cuEventRecord(self.events[i], self.stream), "cuEventRecord")
+        return True
+
     def close(self) -> None:
         views, ptrs, events, self.views, self.ptrs, self.events = self.views, self.ptrs, self.events, [], [], []
         _cleanup(
@@ -228,7 +244,8 @@ class CudaWriter(ArenaWriter):
                 self._lanes.append(lane)
         return lane
 
-    def copy_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int) -> None:
+    def _target(self, arena_offset: int, nbytes: int) -> int:
+        """The device address of an arena range, with this writer's context current in the calling thread."""
         if arena_offset < 0 or nbytes < 0 or arena_offset + nbytes > self._size:
             raise BadRequest(f"copy of {nbytes} bytes at {arena_offset} falls outside the arena ({self._size} bytes)")
         if self._map.ptr == 0:
@@ -236,7 +253,17 @@ class CudaWriter(ArenaWriter):
         # Loader threads are plain threads: bind the context each call (cheap) rather than trusting
         # whatever an earlier task left current in this thread.
         _check(cuda.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
-        self._lane().copy(fd, file_offset, self._map.ptr + arena_offset, nbytes)
+        return self._map.ptr + arena_offset
+
+    def copy_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int) -> None:
+        dst = self._target(arena_offset, nbytes)
+        self._lane().copy(fd, file_offset, dst, nbytes)
+
+    def copy_scattered(self, fd: int, file_offset: int, arena_offset: int, nbytes: int,
+                       pieces: tuple[tuple[int, int], ...]) -> None:
+        dst = self._target(arena_offset, nbytes)
+        if not self._lane().gather(fd, file_offset, dst, nbytes, pieces):
+            super().copy_scattered(fd, file_offset, arena_offset, nbytes, pieces)
 
     def close(self) -> None:
         with self._lock:
