@@ -313,25 +313,29 @@ class Checkpoint:
         into the arena layout (which pads each tensor to 256 bytes), and one write. Per-tensor work
         is then a slice, not a syscall or a queued task: 100,000 16 KiB tensors make ~400 ops.
         """
-        at = {t.name: t.offset for t in manifest.tensors}
+        offsets = manifest.offsets  # the manifest lists tensors in this very order (`manifest`)
+        if len(offsets) != sum(len(h.tensors) for h in self.headers):
+            raise ValueError("copy_plan needs the manifest of this checkpoint")
         ops: list[CopyOp] = []
+        i = 0
         for shard, h in enumerate(self.headers):
-            run: list[StoredTensor] = []
+            run: list[tuple[StoredTensor, int]] = []
             for t in h.tensors:
-                n = t.end - t.begin
+                at, n = offsets[i], t.end - t.begin
+                i += 1
                 if n == 0:
                     continue
-                if run and (n >= batch or t.begin != run[-1].end or len(run) == MAX_PIECES
-                            or at[t.name] + n - at[run[0].name] > batch):
-                    ops.append(_run_op(shard, run, at))
+                if run and (n >= batch or t.begin != run[-1][0].end or len(run) == MAX_PIECES
+                            or at + n - run[0][1] > batch):
+                    ops.append(_run_op(shard, run))
                     run = []
                 if n >= batch:
-                    ops.extend(CopyOp(shard, t.begin + pos, at[t.name] + pos, min(chunk, n - pos))
+                    ops.extend(CopyOp(shard, t.begin + pos, at + pos, min(chunk, n - pos))
                                for pos in range(0, n, chunk))
                 else:
-                    run.append(t)
+                    run.append((t, at))
             if run:
-                ops.append(_run_op(shard, run, at))
+                ops.append(_run_op(shard, run))
         return ops
 
     @property
@@ -339,9 +343,9 @@ class Checkpoint:
         return sum(t.end - t.begin for h in self.headers for t in h.tensors)
 
 
-def _run_op(shard: int, run: list[StoredTensor], at: dict[str, int]) -> CopyOp:
+def _run_op(shard: int, run: list[tuple[StoredTensor, int]]) -> CopyOp:
     """One op for tensors back to back in a file: direct if the arena has no padding between them."""
-    base = at[run[0].name]
-    pieces = tuple((at[t.name] - base, t.end - t.begin) for t in run)
+    base = run[0][1]
+    pieces = tuple((at - base, t.end - t.begin) for t, at in run)
     span = pieces[-1][0] + pieces[-1][1]
-    return CopyOp(shard, run[0].begin, base, span, () if span == run[-1].end - run[0].begin else pieces)
+    return CopyOp(shard, run[0][0].begin, base, span, () if span == run[-1][0].end - run[0][0].begin else pieces)

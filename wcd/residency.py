@@ -101,8 +101,8 @@ class Residency:
         canonical = self.canonical_device(device)
         ckpt = await asyncio.to_thread(Checkpoint.open, path, follow_links)
         try:
-            fingerprint = await asyncio.to_thread(key_fingerprint, ckpt)
-            manifest = ckpt.manifest()
+            # 100,000 tensors take a few hundred ms to lay out: off the loop, like the reads.
+            fingerprint, manifest = await asyncio.to_thread(lambda: (key_fingerprint(ckpt), ckpt.manifest()))
             key = WeightCacheKey(model=name, path=str(ckpt.path), fingerprint=fingerprint, device=canonical)
             nbytes = backend_for(canonical).arena_size(manifest.size, canonical)
             entry, victims = self.cache.admit(name, key, manifest, nbytes, retention, origin)
@@ -128,10 +128,10 @@ class Residency:
         try:
             entry.arena = await asyncio.to_thread(backend_for(entry.device).create, entry.device, entry.nbytes,
                                                   entry.name)
-            await asyncio.to_thread(fill_arena, entry.arena, ckpt, ckpt.copy_plan(manifest), _EntryProgress(entry),
-                                    lambda: entry.state == "evicting",
-                                    self.state.config.daemon.load_workers or default_workers(),
-                                    entry.key.fingerprint)
+            arena = entry.arena
+            await asyncio.to_thread(lambda: fill_arena(
+                arena, ckpt, ckpt.copy_plan(manifest), _EntryProgress(entry), lambda: entry.state == "evicting",
+                self.state.config.daemon.load_workers or default_workers(), entry.key.fingerprint))
             await asyncio.to_thread(entry.arena.seal)
         except BaseException as e:
             ckpt.close()
