@@ -207,7 +207,7 @@ def _groups(uid: int, gid: int) -> set[int]:
     return set(os.getgrouplist(user.pw_name, user.pw_gid))
 
 
-def _open_files(path: Path, follow_links: bool, owner_check: bool) -> list[tuple[Path, int]]:
+def open_files(path: Path, follow_links: bool = False, owner_check: bool = True) -> list[tuple[Path, int]]:
     """(file, open fd) of every shard of `path`, sorted by name; links are not followed out of the
     directory unless `follow_links`. The caller owns the fds."""
     try:
@@ -270,7 +270,7 @@ class Checkpoint:
         `follow_links`; with `owner_check`, a file the directory's owner could not read is refused.
         """
         p = Path(path).resolve()
-        files = _open_files(p, follow_links, owner_check)
+        files = open_files(p, follow_links, owner_check)
         try:
             headers = tuple(parse_header(fd, file) for file, fd in files)
             names: set[str] = set()

@@ -20,10 +20,10 @@ from typing import Any
 from wcd import parking, systemd
 from wcd.arenas import Arena, backend_for
 from wcd.cache import Entry, Lease, Origin, Retention
-from wcd.checkpoint import Checkpoint
+from wcd.checkpoint import Checkpoint, open_files
 from wcd.config import Config, ModelConfig, format_size, parse_size
 from wcd.errors import BadRequest, Busy, LoadFailed, NotFound, WcdError
-from wcd.key import HOST_DEVICE, WeightCacheKey
+from wcd.key import HOST_DEVICE, WeightCacheKey, fingerprint_unparsed
 from wcd.key import fingerprint as key_fingerprint
 from wcd.loader import Cancelled, default_workers, digest_arena, digest_checkpoint, fill_arena
 from wcd.manifest import Manifest
@@ -351,8 +351,12 @@ class Residency:
 
     @staticmethod
     def _fingerprint(path: str, follow_links: bool) -> str:
-        with Checkpoint.open(path, follow_links) as ckpt:
-            return key_fingerprint(ckpt)
+        files = open_files(Path(path).resolve(), follow_links)
+        try:
+            return fingerprint_unparsed(files)
+        finally:
+            for _, fd in files:
+                os.close(fd)
 
     # -- shutdown ---------------------------------------------------------------------------
 

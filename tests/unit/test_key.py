@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 from pathlib import Path
@@ -275,3 +276,19 @@ def test_last_window_always_reaches_the_end(tmp_path: Path) -> None:
     before = fingerprint_checkpoint(file)
     flip(file, 264_210 - 1)
     assert fingerprint_checkpoint(file) != before
+
+
+def test_unparsed_fingerprint_is_the_fingerprint(tmp_path: Path) -> None:
+    from wcd.checkpoint import Checkpoint, open_files
+    from wcd.key import fingerprint_unparsed
+
+    save(tmp_path / "model-1.safetensors", seed=1, prefix="a.")
+    save(tmp_path / "model-2.safetensors", seed=2, n=5000, prefix="b.")
+    files = open_files(tmp_path)
+    try:
+        assert fingerprint_unparsed(files) == fingerprint_checkpoint(tmp_path)
+    finally:
+        for _, fd in files:
+            os.close(fd)
+    with Checkpoint.open(tmp_path) as ckpt:
+        assert ckpt.fds and len(ckpt.headers) == 2
