@@ -196,11 +196,16 @@ class Daemon:
                                      stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
         connect(self.socket, wait_s=60, while_alive=lambda: self.proc.poll() is None, heartbeats=False).close()
 
-    def load(self, path: Path, device: str, name: str) -> float:
-        with Client(self.socket, heartbeats=False) as c:
+    def load(self, path: Path, device: str, name: str, verify: dict[str, object] | None = None) -> float:
+        """Seconds of one `load` op; with `verify`, also times a `verify` op of the entry into it."""
+        with Client(self.socket, heartbeats=False, timeout=3600) as c:
             start = time.perf_counter()
             c.load(name, path, device=device, wait=True)
             seconds = time.perf_counter() - start
+            if verify is not None:
+                start = time.perf_counter()
+                verify["match"] = c.verify(name)["match"]
+                verify["seconds"] = time.perf_counter() - start  # hashes the arena and the files
             c.evict(name)
         return seconds
 
@@ -276,7 +281,10 @@ def main() -> int:
                         for i in range(reps):
                             prepare()
                             if loader == "wcd":
-                                times.append(daemon.load(d, args.device, f"b{len(runs)}-{i}"))
+                                verify: dict[str, object] | None = {} if mode == "warm" and i == 0 else None
+                                times.append(daemon.load(d, args.device, f"b{len(runs)}-{i}", verify))
+                                if verify:
+                                    row["wcd_verify"] = {**verify, "GBps_each_side": nbytes / verify["seconds"] / 1e9}  # type: ignore[operator]
                             else:
                                 got = peer(loader, args.device, files)
                                 if "error" in got:

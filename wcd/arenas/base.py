@@ -6,6 +6,8 @@ a writer that fills an arena from file ranges. Client side: `wcd.views` maps an 
 
 from __future__ import annotations
 
+import errno
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -38,6 +40,40 @@ class ArenaWriter(ABC):
         """Wait for outstanding copies and release staging resources."""
 
 
+class ArenaReader:
+    """Copies ranges out into one reusable buffer (used by `verify` from worker threads, one
+    reader per thread). This default goes through `Arena.read`; backends override it."""
+
+    def __init__(self, arena: Arena) -> None:
+        self._arena = arena
+
+    def read(self, offset: int, nbytes: int) -> memoryview:
+        """The bytes, valid until the next call."""
+        return memoryview(self._arena.read(offset, nbytes))
+
+    def close(self) -> None:
+        """Release the buffer."""
+
+
+class FileReader(ArenaReader):
+    """`ArenaReader` over an open file or memfd: preadv into one reused buffer, no copies after."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._buf = memoryview(bytearray(0))
+
+    def read(self, offset: int, nbytes: int) -> memoryview:
+        if len(self._buf) < nbytes:
+            self._buf = memoryview(bytearray(nbytes))
+        view, done = self._buf[:nbytes], 0
+        while done < nbytes:
+            n = os.preadv(self._fd, [view[done:]], offset + done)
+            if n == 0:
+                raise OSError(errno.EIO, "unexpected end of file")
+            done += n
+        return view
+
+
 class Arena(ABC):
     kind: str  # "host" or "cuda": tells the client how to map the fd
     device: str  # canonical device id
@@ -57,7 +93,11 @@ class Arena(ABC):
 
     @abstractmethod
     def read(self, offset: int, nbytes: int) -> bytes:
-        """Copy bytes out (used by `verify`)."""
+        """Copy bytes out."""
+
+    def reader(self) -> ArenaReader:
+        """A reader with its own reusable buffer, for one thread (used by `verify`)."""
+        return ArenaReader(self)
 
     @abstractmethod
     def close(self) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 from cuda.bindings import driver as cuda
 
-from wcd.arenas.base import Arena, ArenaBackend, ArenaWriter, DeviceInfo
+from wcd.arenas.base import Arena, ArenaBackend, ArenaReader, ArenaWriter, DeviceInfo
 from wcd.arenas.cudrv import Gpu, format_uuid, resolve_gpu
 from wcd.errors import BadRequest, Internal, OutOfMemory
 from wcd.manifest import align_up
@@ -277,6 +277,36 @@ class CudaWriter(ArenaWriter):
             release_context(self._gpu)
 
 
+class CudaReader(ArenaReader):
+    """Device-to-host copies into one pinned buffer, reused for every read of this (one) thread:
+    pinned memory copies at the link's rate, pageable memory at a fraction of it."""
+
+    def __init__(self, arena: CudaArena) -> None:
+        super().__init__(arena)
+        self._cuda_arena = arena
+        self._ptr, self._size, self._view, self._ctx = 0, 0, memoryview(b""), None
+
+    def read(self, offset: int, nbytes: int) -> memoryview:
+        ctx, src = self._cuda_arena._source(offset, nbytes)
+        self._ctx = ctx
+        with current(ctx):
+            if nbytes > self._size:
+                self.close()
+                self._ptr = int(_check(cuda.cuMemHostAlloc(nbytes, 0), "cuMemHostAlloc"))
+                self._size = nbytes
+                self._view = memoryview((ctypes.c_char * nbytes).from_address(self._ptr)).cast("B")
+            if nbytes:
+                _check(cuda.cuMemcpyDtoH(self._ptr, src, nbytes), "cuMemcpyDtoH")
+        return self._view[:nbytes]
+
+    def close(self) -> None:
+        if self._ptr:
+            ptr, self._ptr, self._size = self._ptr, 0, 0
+            self._view.release()
+            with current(self._ctx):
+                _check(cuda.cuMemFreeHost(ptr), "cuMemFreeHost")
+
+
 class CudaArena(Arena):
     kind = "cuda"
 
@@ -301,9 +331,10 @@ class CudaArena(Arena):
     def seal(self) -> None:
         """Nothing to do: readers map CUDA arenas read-only (CU_MEM_ACCESS_FLAGS_PROT_READ)."""
 
-    def read(self, offset: int, nbytes: int) -> bytes:
-        """Device-to-host copy. The first call maps the arena read-only and retains the primary context;
-        both stay until `close` because `verify` reads thousands of small ranges from several threads."""
+    def _source(self, offset: int, nbytes: int) -> tuple[Any, int]:
+        """(context, device address) of an arena range for reading. The first call maps the arena
+        read-only and retains the primary context; both stay until `close` because `verify` reads
+        thousands of ranges from several threads."""
         if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
             raise BadRequest(f"read of {nbytes} bytes at {offset} falls outside the arena ({self.size} bytes)")
         with self._lock:
@@ -318,12 +349,19 @@ class CudaArena(Arena):
                     release_context(self._gpu)
                     raise
                 self._reader_ctx = ctx
-            ctx, ptr = self._reader_ctx, self._reader.ptr
+            return self._reader_ctx, self._reader.ptr + offset
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        """Device-to-host copy into fresh pageable memory (for small reads; `reader` for many)."""
+        ctx, src = self._source(offset, nbytes)
         out = bytearray(nbytes)
         if nbytes:
             with current(ctx):
-                _check(cuda.cuMemcpyDtoH(out, ptr + offset, nbytes), "cuMemcpyDtoH")
+                _check(cuda.cuMemcpyDtoH(out, src, nbytes), "cuMemcpyDtoH")
         return bytes(out)
+
+    def reader(self) -> CudaReader:
+        return CudaReader(self)
 
     def close(self) -> None:
         """Release the allocation and close the exported fd; the memory returns to the driver once

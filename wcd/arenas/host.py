@@ -13,7 +13,7 @@ import mmap
 import os
 import threading
 
-from wcd.arenas.base import Arena, ArenaBackend, ArenaWriter, DeviceInfo
+from wcd.arenas.base import Arena, ArenaBackend, ArenaWriter, DeviceInfo, FileReader
 from wcd.errors import BadRequest, Busy, OutOfMemory
 from wcd.key import HOST_DEVICE
 from wcd.manifest import align_up
@@ -113,6 +113,9 @@ class HostArena(Arena):
 
     def read(self, offset: int, nbytes: int) -> bytes:
         return os.pread(self._fd, nbytes, offset)
+
+    def reader(self) -> FileReader:
+        return FileReader(self._fd)
 
     def close(self) -> None:
         with self._lock:
