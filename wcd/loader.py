@@ -115,17 +115,27 @@ def _digest_ranges(reader: Callable[[], ArenaReader], ranges: list[tuple[str, in
     readers: list[ArenaReader] = []
     lock = threading.Lock()
 
-    def one(piece: tuple[int, int]) -> bytes:
+    # Tasks of about one piece's bytes: 100,000 small tensors make ~100 tasks, not 100,000.
+    tasks: list[list[tuple[int, int]]] = []
+    size = DIGEST_CHUNK
+    for piece in pieces:
+        if size + piece[1] > DIGEST_CHUNK:
+            tasks.append([])
+            size = 0
+        tasks[-1].append(piece)
+        size += piece[1]
+
+    def one(task: list[tuple[int, int]]) -> list[bytes]:
         r = getattr(local, "reader", None)
         if r is None:
             r = local.reader = reader()
             with lock:
                 readers.append(r)
-        return hashlib.blake2b(r.read(*piece), digest_size=16).digest()
+        return [hashlib.blake2b(r.read(*piece), digest_size=16).digest() for piece in task]
 
     try:
         with ThreadPoolExecutor(digest_workers(), thread_name_prefix="wcd-digest") as pool:
-            digests = iter(pool.map(one, pieces))
+            digests = (d for ds in pool.map(one, tasks) for d in ds)
             out = {}
             for name, _, nbytes in ranges:
                 n = -(-nbytes // DIGEST_CHUNK)
