@@ -207,6 +207,9 @@ class ModelConfig(BaseModel):
     path: Path
     device: str = HOST_DEVICE
     retention: Literal["pinned", "cached", "ephemeral"] = "pinned"
+    # Shards that are symbolic links are followed only while they stay inside `path` (openat2
+    # RESOLVE_BENEATH); true follows them anywhere (a Hugging Face cache's snapshots/ -> blobs/).
+    follow_symlinks: bool = False
 
     @field_validator("path")
     @classmethod

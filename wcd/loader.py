@@ -1,7 +1,8 @@
 """Fill an arena from a checkpoint in worker threads, off the event loop, with progress.
 
 The plan (from `Checkpoint.copy_plan`) is a list of file ranges -> arena offsets, large tensors
-already split into chunks. Worker threads execute it through the arena's writer (host: preadv
+already split into chunks and runs of small ones batched. Every read goes through the descriptors
+the checkpoint was opened with, never by path again. Worker threads execute it through the arena's writer (host: preadv
 straight into the shared mapping; CUDA: pinned staging + async copies). Progress is a byte
 counter the event loop reads; cancellation is checked between chunks.
 """
@@ -17,7 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from wcd.arenas.base import Arena
+from wcd import key
+from wcd.arenas.base import Arena, ArenaReader, FileReader
 from wcd.checkpoint import Checkpoint, CopyOp
 from wcd.errors import LoadFailed
 from wcd.manifest import Manifest
@@ -50,26 +52,32 @@ def default_workers() -> int:
 
 def fill_arena(
     arena: Arena, checkpoint: Checkpoint, ops: list[CopyOp], progress: ProgressSink,
-    cancelled: Callable[[], bool] = lambda: False, workers: int | None = None,
+    cancelled: Callable[[], bool] = lambda: False, workers: int | None = None, fingerprint: str | None = None,
 ) -> None:
-    """Blocking: run every copy op, `workers` at a time. Call it from a thread, never the loop."""
-    fds: dict[str, int] = {}
+    """Blocking: run every copy op, `workers` at a time, through the checkpoint's open descriptors.
+    Call it from a thread, never the loop.
+
+    Then fail (`LoadFailed`) if a shard was written meanwhile: its size or times changed since it
+    was opened, or (given the fingerprint taken at admission) its sampled bytes differ now. Either
+    would leave the arena with a mix of old and new bytes under the old fingerprint.
+    """
     writer = arena.writer()
     try:
-        for h in checkpoint.headers:
-            fds[str(h.file)] = os.open(h.file, os.O_RDONLY | os.O_CLOEXEC)
-
         failed = threading.Event()  # one failed chunk stops the others early
 
         def run(op: CopyOp) -> None:
             if failed.is_set() or cancelled():
                 raise Cancelled()
             try:
-                writer.copy_from_file(fds[str(op.file)], op.file_offset, op.arena_offset, op.nbytes)
+                fd = checkpoint.fds[op.shard]
+                if op.pieces:
+                    writer.copy_scattered(fd, op.file_offset, op.arena_offset, op.nbytes, op.pieces)
+                else:
+                    writer.copy_from_file(fd, op.file_offset, op.arena_offset, op.nbytes)
             except BaseException:
                 failed.set()
                 raise
-            progress.add(op.nbytes)
+            progress.add(op.file_nbytes)
 
         with ThreadPoolExecutor(workers or default_workers(), thread_name_prefix="wcd-load") as pool:
             futures = [pool.submit(run, op) for op in ops]
@@ -79,48 +87,83 @@ def fill_arena(
             raise real[0]
         if errors:
             raise Cancelled()
+        changed = checkpoint.changed()
+        if not changed and fingerprint is not None and key.fingerprint(checkpoint) != fingerprint:
+            changed = [checkpoint.path]
+        if changed:
+            raise LoadFailed(f"{changed[0]} changed while it was being loaded (written in place?); nothing "
+                             "was kept: load it again once it is complete")
     except OSError as e:
         raise LoadFailed(f"{checkpoint.path}: read failed: {e.strerror or e}") from None
     finally:
         writer.close()
-        for fd in fds.values():
-            os.close(fd)
 
 
-DIGEST_CHUNK = 64 << 20
+DIGEST_CHUNK = 16 << 20
 
 
-def _digest_ranges(read: Callable[[int, int], bytes], ranges: list[tuple[str, int, int]]) -> dict[str, str]:
-    """blake2b of each named (offset, nbytes) range, hashed in parallel (hashlib releases the GIL)."""
+def _digest_ranges(reader: Callable[[], ArenaReader], ranges: list[tuple[str, int, int]]) -> dict[str, str]:
+    """blake2b of each named (offset, nbytes) range, read through one reusable `reader()` per thread.
 
-    def one(item: tuple[str, int, int]) -> tuple[str, str]:
-        name, offset, nbytes = item
-        h = hashlib.blake2b(digest_size=16)
-        for pos in range(0, nbytes, DIGEST_CHUNK):
-            h.update(read(offset + pos, min(DIGEST_CHUNK, nbytes - pos)))
-        return name, h.hexdigest()
+    Work is split into `DIGEST_CHUNK` pieces so that one large tensor does not serialise on one
+    core: a range of one piece digests as blake2b of its bytes, a longer one as blake2b of its
+    pieces' digests. hashlib releases the GIL, so threads hash in parallel (~1 GB/s each).
+    """
+    pieces = [(offset + pos, min(DIGEST_CHUNK, nbytes - pos))
+              for _, offset, nbytes in ranges for pos in range(0, nbytes, DIGEST_CHUNK)]
+    local = threading.local()
+    readers: list[ArenaReader] = []
+    lock = threading.Lock()
 
-    with ThreadPoolExecutor(default_workers(), thread_name_prefix="wcd-digest") as pool:
-        return dict(pool.map(one, ranges))
+    # Tasks of about one piece's bytes: 100,000 small tensors make ~100 tasks, not 100,000.
+    tasks: list[list[tuple[int, int]]] = []
+    size = DIGEST_CHUNK
+    for piece in pieces:
+        if size + piece[1] > DIGEST_CHUNK:
+            tasks.append([])
+            size = 0
+        tasks[-1].append(piece)
+        size += piece[1]
+
+    def one(task: list[tuple[int, int]]) -> list[bytes]:
+        r = getattr(local, "reader", None)
+        if r is None:
+            r = local.reader = reader()
+            with lock:
+                readers.append(r)
+        return [hashlib.blake2b(r.read(*piece), digest_size=16).digest() for piece in task]
+
+    try:
+        with ThreadPoolExecutor(digest_workers(), thread_name_prefix="wcd-digest") as pool:
+            digests = (d for ds in pool.map(one, tasks) for d in ds)
+            out = {}
+            for name, _, nbytes in ranges:
+                n = -(-nbytes // DIGEST_CHUNK)
+                if n == 0:
+                    out[name] = hashlib.blake2b(b"", digest_size=16).hexdigest()
+                elif n == 1:
+                    out[name] = next(digests).hex()
+                else:
+                    out[name] = hashlib.blake2b(b"".join(next(digests) for _ in range(n)), digest_size=16).hexdigest()
+            return out
+    finally:
+        for r in readers:
+            r.close()
+
+
+def digest_workers() -> int:
+    return max(2, min(32, os.cpu_count() or 2))
 
 
 def digest_arena(arena: Arena, manifest: Manifest) -> dict[str, str]:
     """Per-tensor content digest of what is resident in an arena (blocking)."""
-    return _digest_ranges(arena.read, [(t.name, t.offset, t.nbytes) for t in manifest.tensors])
+    return _digest_ranges(arena.reader, [(t.name, t.offset, t.nbytes) for t in manifest.tensors])
 
 
 def digest_checkpoint(checkpoint: Checkpoint) -> dict[str, str]:
-    """Per-tensor content digest of a checkpoint on disk (blocking)."""
+    """Per-tensor content digest of a checkpoint on disk, through its open descriptors (blocking)."""
     out: dict[str, str] = {}
-    for h in checkpoint.headers:
-        fd = os.open(h.file, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            out.update(_digest_ranges(functools.partial(_pread, fd),
-                                      [(t.name, t.begin, t.end - t.begin) for t in h.tensors]))
-        finally:
-            os.close(fd)
+    for h, fd in zip(checkpoint.headers, checkpoint.fds):
+        out.update(_digest_ranges(functools.partial(FileReader, fd),
+                                  [(t.name, t.begin, t.end - t.begin) for t in h.tensors]))
     return out
-
-
-def _pread(fd: int, offset: int, nbytes: int) -> bytes:
-    return os.pread(fd, nbytes, offset)

@@ -206,11 +206,13 @@ async def load(ctx: Context, conn: Connection, req: protocol.Load) -> None:
         if model is None:
             raise NotFound(f"no configured model named {req.name!r}; give a path to load an unconfigured one")
         path, device, retention = model.path, req.device or model.device, req.retention or model.retention
+        follow = model.follow_symlinks
     else:
         path, device, retention = Path(req.path), req.device or HOST_DEVICE, req.retention or "cached"
+        follow = False
     entry = ctx.state.cache.entries.get(req.name)
     if entry is None:
-        entry = await ctx.residency.admit_load(req.name, path, device, retention, "load")
+        entry = await ctx.residency.admit_load(req.name, path, device, retention, "load", follow)
         task = ctx.residency.start_fill(entry)
         if req.wait:
             await asyncio.shield(task)

@@ -27,10 +27,11 @@ from typing import Any, TypeVar
 from wcd import parking, systemd
 from wcd.arenas import Arena, ArenaBackend, backend_for, is_gpu_device
 from wcd.cache import Entry, Lease, Origin, Retention
-from wcd.checkpoint import Checkpoint
+from wcd.checkpoint import Checkpoint, open_files
 from wcd.config import Config, ModelConfig, format_size, parse_size
 from wcd.errors import BadRequest, Busy, DeviceUnavailable, LoadFailed, NotFound, WcdError
-from wcd.key import HOST_DEVICE, WeightCacheKey, fingerprint_checkpoint
+from wcd.key import HOST_DEVICE, WeightCacheKey, fingerprint_unparsed
+from wcd.key import fingerprint as key_fingerprint
 from wcd.loader import Cancelled, default_workers, digest_arena, digest_checkpoint, fill_arena
 from wcd.manifest import Manifest
 from wcd.metrics import Metrics
@@ -109,20 +110,28 @@ class Residency:
         if model.name in self.cache.entries:
             return  # adopted from the fd store, or still leased after a reload changed it
         try:
-            entry = await self.admit_load(model.name, model.path, model.device, model.retention, "config")
+            entry = await self.admit_load(model.name, model.path, model.device, model.retention, "config",
+                                          model.follow_symlinks)
         except WcdError as e:
             log.error("cannot load %s: %s", model.name, e.message)
             return
         self.start_fill(entry)
 
-    async def admit_load(self, name: str, path: Path, device: str, retention: Retention, origin: Origin) -> Entry:
-        """Read the checkpoint's headers, fingerprint it, and admit an entry (state loading)."""
+    async def admit_load(self, name: str, path: Path, device: str, retention: Retention, origin: Origin,
+                         follow_links: bool = False) -> Entry:
+        """Open the checkpoint's shards (kept open until the fill ends), read their headers,
+        fingerprint them through the same descriptors, and admit an entry (state loading)."""
         canonical = self.canonical_device(device)
-        ckpt, manifest = await asyncio.to_thread(_open_checkpoint, path)
-        fingerprint = await asyncio.to_thread(fingerprint_checkpoint, ckpt.path)
-        key = WeightCacheKey(model=name, path=str(ckpt.path), fingerprint=fingerprint, device=canonical)
-        nbytes = backend_for(canonical).arena_size(manifest.size, canonical)
-        entry, victims = self.cache.admit(name, key, manifest, nbytes, retention, origin, publisher=os.getuid())
+        ckpt = await asyncio.to_thread(Checkpoint.open, path, follow_links)
+        try:
+            # 100,000 tensors take a few hundred ms to lay out: off the loop, like the reads.
+            fingerprint, manifest = await asyncio.to_thread(lambda: (key_fingerprint(ckpt), ckpt.manifest()))
+            key = WeightCacheKey(model=name, path=str(ckpt.path), fingerprint=fingerprint, device=canonical)
+            nbytes = backend_for(canonical).arena_size(manifest.size, canonical)
+            entry, victims = self.cache.admit(name, key, manifest, nbytes, retention, origin, publisher=os.getuid())
+        except BaseException:
+            ckpt.close()
+            raise
         self.reclaim(victims)
         self._ready[name] = asyncio.Event()
         self._checkpoints[name] = ckpt
@@ -144,19 +153,21 @@ class Residency:
         def fill(arena: Arena) -> None:
             # The plan walks every tensor (a while for 10^5): here in the worker, not on the loop.
             fill_arena(arena, ckpt, ckpt.copy_plan(manifest), _EntryProgress(entry),
-                       lambda: entry.state == "evicting", workers)
+                       lambda: entry.state == "evicting", workers, entry.key.fingerprint)
             arena.seal()
 
         try:
             entry.arena = await self._create(backend_for(entry.device), entry.device, entry.nbytes, entry.name)
             await self._using(self._fill_pool, entry.arena, fill)
         except BaseException as e:
+            ckpt.close()
             self.reclaim(self.cache.load_failed(entry))
             if isinstance(e, Cancelled):
                 raise NotFound(f"loading {entry.name} was cancelled: the entry was evicted") from None
             if isinstance(e, (WcdError, asyncio.CancelledError)):
                 raise
             raise LoadFailed(f"loading {entry.name} failed: {e}") from e
+        ckpt.close()
         seconds = time.monotonic() - started
         self._metrics.loaded(entry.device, manifest.nbytes, seconds)
         log.info("loaded %s in %.2f s (%.2f GB/s)", entry.name, seconds, manifest.nbytes / max(seconds, 1e-9) / 1e9)
@@ -262,13 +273,14 @@ class Residency:
             if entry.origin == "publish":
                 future, source = self._digests[entry.name]
                 return actual, await asyncio.shield(future), source
-            path = entry.key.path
+            if not Path(entry.key.path).exists():
+                raise NotFound(f"{entry.key.path} is gone: nothing to verify {entry.name!r} against")
+            ckpt = await asyncio.to_thread(Checkpoint.open, entry.key.path, self._follow_links(entry.name))
             try:
-                expected = await asyncio.get_running_loop().run_in_executor(
-                    self._digest_pool, _digest_checkpoint, path)
-            except FileNotFoundError:
-                raise NotFound(f"{path} is gone: nothing to verify {entry.name!r} against") from None
-            return actual, expected, path
+                return actual, await asyncio.get_running_loop().run_in_executor(
+                    self._digest_pool, digest_checkpoint, ckpt), str(ckpt.path)
+            finally:
+                ckpt.close()
         finally:
             self.reclaim(self.cache.release(holder, lease.id))
 
@@ -309,7 +321,9 @@ class Residency:
                 _close_later(entry.arena)
                 entry.arena = None
             self._digests.pop(entry.name, None)
-            self._checkpoints.pop(entry.name, None)
+            ckpt = self._checkpoints.pop(entry.name, None)
+            if ckpt is not None:
+                ckpt.close()
             event = self._ready.pop(entry.name, None)
             if event is not None:
                 event.set()
@@ -390,7 +404,7 @@ class Residency:
         notes = []
         if rec.origin != "publish":
             if Path(rec.key.path).exists():
-                fingerprint = await asyncio.to_thread(fingerprint_checkpoint, rec.key.path)
+                fingerprint = await asyncio.to_thread(self._fingerprint, rec.key.path, self._follow_links(rec.name))
                 if fingerprint != rec.key.fingerprint:
                     raise BadRequest(f"stale: {rec.key.path} changed since it was loaded")
             else:
@@ -409,6 +423,18 @@ class Residency:
         self.cache.loaded(entry)
         self._parked.add(entry.name)  # systemd still holds the fds: never store them twice
         return entry
+
+    def _follow_links(self, name: str) -> bool:
+        return any(m.follow_symlinks for m in self.state.config.models if m.name == name)
+
+    @staticmethod
+    def _fingerprint(path: str, follow_links: bool) -> str:
+        files = open_files(Path(path).resolve(), follow_links)
+        try:
+            return fingerprint_unparsed(files)
+        finally:
+            for _, fd in files:
+                os.close(fd)
 
     # -- shutdown ---------------------------------------------------------------------------
 
@@ -431,18 +457,6 @@ class _EntryProgress:
 
     def add(self, n: int) -> None:
         self.entry.done_bytes += n  # a racy += only undercounts progress transiently; fine for display
-
-
-def _open_checkpoint(path: Path) -> tuple[Checkpoint, Manifest]:
-    """Headers and layout (10^5 tensors take a while): for a worker thread."""
-    ckpt = Checkpoint.open(path)
-    return ckpt, ckpt.manifest()
-
-
-def _digest_checkpoint(path: str) -> Digests:
-    if not Path(path).exists():
-        raise FileNotFoundError(path)
-    return digest_checkpoint(Checkpoint.open(path))
 
 
 def _close_later(arena: Arena) -> None:

@@ -71,14 +71,15 @@ def sharded(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     return d, tensors
 
 
-def fill_by_hand(ckpt: Checkpoint, chunk: int) -> tuple[bytearray, list[CopyOp]]:
+def fill_by_hand(ckpt: Checkpoint, chunk: int, batch: int = 4 << 20) -> tuple[bytearray, list[CopyOp]]:
     manifest = ckpt.manifest()
     arena = bytearray(manifest.size)
-    plan = ckpt.copy_plan(manifest, chunk=chunk)
+    plan = ckpt.copy_plan(manifest, chunk=chunk, batch=batch)
     for op in plan:
-        with open(op.file, "rb") as f:
-            f.seek(op.file_offset)
-            arena[op.arena_offset : op.arena_offset + op.nbytes] = f.read(op.nbytes)
+        data = os.pread(ckpt.fds[op.shard], op.file_nbytes, op.file_offset)
+        for rel, n in op.pieces or ((0, op.nbytes),):
+            arena[op.arena_offset + rel : op.arena_offset + rel + n], data = data[:n], data[n:]
+        assert data == b""
     return arena, plan
 
 
@@ -149,36 +150,52 @@ def test_manifest_follows_shard_then_file_order(sharded: tuple[Path, dict[str, t
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(chunk=st.integers(1, 12_000))
-def test_copy_plan_covers_every_tensor_exactly(sharded: tuple[Path, dict[str, torch.Tensor]], chunk: int) -> None:
+@given(chunk=st.integers(1, 12_000), batch=st.integers(1, 20_000))
+def test_copy_plan_covers_every_tensor_exactly(sharded: tuple[Path, dict[str, torch.Tensor]], chunk: int,
+                                               batch: int) -> None:
     d, _ = sharded
     ckpt = Checkpoint.open(d)
     m = ckpt.manifest()
-    plan = ckpt.copy_plan(m, chunk=chunk)
-    assert all(0 < op.nbytes <= chunk for op in plan)
-    assert sum(op.nbytes for op in plan) == ckpt.nbytes == m.nbytes
+    plan = ckpt.copy_plan(m, chunk=chunk, batch=batch)
+    assert sum(op.file_nbytes for op in plan) == ckpt.nbytes == m.nbytes
     at = {t.name: t for t in m.tensors}
-    for h in ckpt.headers:
-        for t in h.tensors:
-            ops = [op for op in plan if op.file == h.file and t.begin <= op.file_offset < t.end]
-            # contiguous pieces from begin to end, each landing at the same relative arena position
-            pos = t.begin
-            for op in sorted(ops, key=lambda o: o.file_offset):
-                assert op.file_offset == pos
-                assert op.arena_offset - at[t.name].offset == op.file_offset - t.begin
-                pos += op.nbytes
-            assert pos == t.end
-    arena_ranges = sorted((op.arena_offset, op.arena_offset + op.nbytes) for op in plan)
-    for (_, end), (begin, _) in zip(arena_ranges, arena_ranges[1:]):
-        assert end <= begin
-    assert all(end <= m.size for _, end in arena_ranges)
+    for op in plan:
+        if op.pieces:  # a run of small tensors: at most `batch` arena bytes, back to back in the file
+            assert op.nbytes <= batch and op.pieces[-1][0] + op.pieces[-1][1] == op.nbytes
+            assert all(a + n <= b for (a, n), (b, _) in zip(op.pieces, op.pieces[1:]))
+        else:
+            assert 0 < op.nbytes <= max(chunk, batch)
+    # every tensor byte lands once, at its place: replay the plan byte by byte
+    landed: dict[int, tuple[int, int]] = {}  # arena offset -> (shard, file offset)
+    for op in plan:
+        pos = op.file_offset
+        for rel, n in op.pieces or ((0, op.nbytes),):
+            for i in range(n):
+                assert op.arena_offset + rel + i not in landed
+                landed[op.arena_offset + rel + i] = (op.shard, pos + i)
+            pos += n
+    expected = {at[t.name].offset + i: (s, t.begin + i)
+                for s, h in enumerate(ckpt.headers) for t in h.tensors for i in range(t.end - t.begin)}
+    assert landed == expected
+    assert all(op.arena_offset + op.nbytes <= m.size for op in plan)
+
+
+def test_copy_plan_batches_small_tensors(tmp_path: Path) -> None:
+    tensors = {f"t{i:04d}": torch.full((100 + i % 3,), i % 100, dtype=torch.int8) for i in range(3000)}
+    save_file(tensors, str(tmp_path / "small.safetensors"))
+    ckpt = Checkpoint.open(tmp_path / "small.safetensors")
+    plan = ckpt.copy_plan(ckpt.manifest())
+    assert len(plan) == 3  # 1024 tensors per op at most (one preadv's iovecs)
+    arena, _ = fill_by_hand(ckpt, 64 << 20)
+    for spec in ckpt.manifest().tensors:
+        assert bytes(arena[spec.offset : spec.offset + spec.nbytes]) == raw_bytes(tensors[spec.name])
 
 
 def test_copy_plan_splits_large_tensors(single: tuple[Path, dict[str, torch.Tensor]]) -> None:
     file, tensors = single
     ckpt = Checkpoint.open(file)
     big = tensors["embed.weight"].numel() * 2  # 10200 bytes of BF16
-    plan = ckpt.copy_plan(ckpt.manifest(), chunk=4096)
+    plan = ckpt.copy_plan(ckpt.manifest(), chunk=4096, batch=4096)
     offset = next(t.offset for t in ckpt.manifest().tensors if t.name == "embed.weight")
     pieces = [op.nbytes for op in plan if offset <= op.arena_offset < offset + big]
     assert pieces == [4096, 4096, big - 8192]
@@ -341,3 +358,77 @@ def test_unreadable_file(single: tuple[Path, dict[str, torch.Tensor]]) -> None:
     file.chmod(0)
     text = load_failure(file)
     assert text.startswith(f"{file}: cannot read: ")
+
+
+# -- links and owners: what a peer who can write the model directory may plant ------------------
+
+
+def test_a_link_out_of_the_directory_is_refused(sharded: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path) -> None:
+    d, _ = sharded
+    secret = write_raw(tmp_path / "secret.safetensors", {"s": entry()}, b"\0" * 8)
+    (d / "model-00003-of-00003.safetensors").symlink_to(secret)
+    text = load_failure(d)
+    assert "model-00003-of-00003.safetensors: a symbolic link out of the model directory" in text
+    ckpt = Checkpoint.open(d, follow_links=True)  # what an operator may allow (a Hugging Face cache)
+    assert {t.name for h in ckpt.headers for t in h.tensors} >= {"s"}
+    ckpt.close()
+
+
+def test_a_link_inside_the_directory_is_followed(sharded: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    d, tensors = sharded
+    (d / "blobs").mkdir()
+    (d / "model-00002-of-00002.safetensors").rename(d / "blobs" / "abc")
+    (d / "model-00002-of-00002.safetensors").symlink_to("blobs/abc")
+    with Checkpoint.open(d) as ckpt:
+        assert {t.name for h in ckpt.headers for t in h.tensors} == set(tensors)
+
+
+def test_a_link_through_the_parent_is_refused(sharded: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    d, _ = sharded
+    (d / "model-00002-of-00002.safetensors").rename(d.parent / "elsewhere.safetensors")
+    (d / "model-00002-of-00002.safetensors").symlink_to("../elsewhere.safetensors")
+    assert "a symbolic link out of the model directory" in load_failure(d)
+
+
+def test_reads_go_through_the_descriptors_opened_first(sharded: tuple[Path, dict[str, torch.Tensor]],
+                                                       tmp_path: Path) -> None:
+    d, tensors = sharded
+    with Checkpoint.open(d) as ckpt:
+        for f in d.glob("*.safetensors"):  # swapped by path after the open: not read
+            f.unlink()
+            f.symlink_to(tmp_path / "nowhere")
+        arena, _ = fill_by_hand(ckpt, 64 << 20)
+        assert ckpt.changed() == [h.file for h in ckpt.headers]  # unlinking changed their ctime
+    for spec in ckpt.manifest().tensors:
+        assert bytes(arena[spec.offset : spec.offset + spec.nbytes]) == raw_bytes(tensors[spec.name])
+
+
+def test_writing_an_open_shard_is_seen(single: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    file, _ = single
+    with Checkpoint.open(file) as ckpt:
+        assert ckpt.changed() == []
+        with open(file, "r+b") as f:
+            f.seek(-4, os.SEEK_END)
+            f.write(b"\1\2\3\4")
+        os.utime(file, ns=(1, 1))  # whatever the clock's granularity
+        assert ckpt.changed() == [file]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: files of another user")
+def test_a_file_the_directory_owner_cannot_read_is_refused(sharded: tuple[Path, dict[str, torch.Tensor]],
+                                                           tmp_path: Path) -> None:
+    d, _ = sharded
+    nobody = 65534
+    os.chown(d, nobody, nobody)
+    for f in d.glob("*.safetensors"):
+        os.chown(f, nobody, nobody)
+    with Checkpoint.open(d):
+        pass
+    secret = d / "model-00003-of-00003.safetensors"
+    write_raw(secret, {"s": entry()}, b"\0" * 8)  # root's, 0600: as a hard link to /etc/shadow would be
+    secret.chmod(0o600)
+    assert load_failure(d) == (f"{secret}: the owner of its directory (uid {nobody}) may not read it, so "
+                               "neither will the daemon (give the file to that user, or make it readable)")
+    secret.chmod(0o644)
+    with Checkpoint.open(d):
+        pass

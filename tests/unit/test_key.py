@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 from pathlib import Path
@@ -114,9 +115,10 @@ def test_equal_keys_with_differently_ordered_dicts_hash_alike() -> None:
 # -- fingerprints -------------------------------------------------------------------------------
 
 
-def save(path: Path, seed: int = 0, n: int = 1000) -> Path:
+def save(path: Path, seed: int = 0, n: int = 1000, prefix: str = "") -> Path:
     g = torch.Generator().manual_seed(seed)
-    save_file({"w": torch.randn(n, generator=g), "b": torch.arange(7, dtype=torch.int32)}, str(path))
+    save_file({prefix + "w": torch.randn(n, generator=g), prefix + "b": torch.arange(7, dtype=torch.int32)},
+              str(path))
     return path
 
 
@@ -200,8 +202,8 @@ def test_header_change_changes_fingerprint(tmp_path: Path) -> None:
 
 
 def test_renaming_a_shard_changes_fingerprint(tmp_path: Path) -> None:
-    save(tmp_path / "model-1.safetensors", seed=1)
-    save(tmp_path / "model-2.safetensors", seed=2)
+    save(tmp_path / "model-1.safetensors", seed=1, prefix="s1.")
+    save(tmp_path / "model-2.safetensors", seed=2, prefix="s2.")
     before = fingerprint_checkpoint(tmp_path)
     (tmp_path / "model-2.safetensors").rename(tmp_path / "model-3.safetensors")
     assert fingerprint_checkpoint(tmp_path) != before
@@ -214,9 +216,9 @@ def test_renaming_a_single_file_changes_fingerprint(tmp_path: Path) -> None:
 
 
 def test_adding_a_shard_changes_fingerprint(tmp_path: Path) -> None:
-    save(tmp_path / "model-1.safetensors", seed=1)
+    save(tmp_path / "model-1.safetensors", seed=1, prefix="s1.")
     before = fingerprint_checkpoint(tmp_path)
-    save(tmp_path / "model-2.safetensors", seed=2)
+    save(tmp_path / "model-2.safetensors", seed=2, prefix="s2.")
     after = fingerprint_checkpoint(tmp_path)
     assert after != before
     (tmp_path / "README.md").write_text("not a shard")
@@ -226,10 +228,10 @@ def test_adding_a_shard_changes_fingerprint(tmp_path: Path) -> None:
 def test_directory_versus_file(tmp_path: Path) -> None:
     d = tmp_path / "ckpt"
     d.mkdir()
-    one = save(d / "model-1.safetensors", seed=1)
+    one = save(d / "model-1.safetensors", seed=1, prefix="s1.")
     # per file: name, size, header and samples; a directory of one shard is that shard
     assert fingerprint_checkpoint(d) == fingerprint_checkpoint(one)
-    two = save(d / "model-2.safetensors", seed=2)
+    two = save(d / "model-2.safetensors", seed=2, prefix="s2.")
     fp = fingerprint_checkpoint(d)
     assert fp not in (fingerprint_checkpoint(one), fingerprint_checkpoint(two))
 
@@ -274,3 +276,19 @@ def test_last_window_always_reaches_the_end(tmp_path: Path) -> None:
     before = fingerprint_checkpoint(file)
     flip(file, 264_210 - 1)
     assert fingerprint_checkpoint(file) != before
+
+
+def test_unparsed_fingerprint_is_the_fingerprint(tmp_path: Path) -> None:
+    from wcd.checkpoint import Checkpoint, open_files
+    from wcd.key import fingerprint_unparsed
+
+    save(tmp_path / "model-1.safetensors", seed=1, prefix="a.")
+    save(tmp_path / "model-2.safetensors", seed=2, n=5000, prefix="b.")
+    files = open_files(tmp_path)
+    try:
+        assert fingerprint_unparsed(files) == fingerprint_checkpoint(tmp_path)
+    finally:
+        for _, fd in files:
+            os.close(fd)
+    with Checkpoint.open(tmp_path) as ckpt:
+        assert ckpt.fds and len(ckpt.headers) == 2

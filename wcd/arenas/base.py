@@ -6,6 +6,8 @@ a writer that fills an arena from file ranges. Client side: `wcd.views` maps an 
 
 from __future__ import annotations
 
+import errno
+import os
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -34,9 +36,52 @@ class ArenaWriter(ABC):
     @abstractmethod
     def copy_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int) -> None: ...
 
+    def copy_scattered(self, fd: int, file_offset: int, arena_offset: int, nbytes: int,
+                       pieces: tuple[tuple[int, int], ...]) -> None:
+        """Copy a contiguous file range into `pieces` (offset relative to `arena_offset`, length) of
+        the `nbytes` arena bytes at `arena_offset`; the bytes between pieces are undefined after.
+        This default copies piece by piece; writers override it with one read and one write."""
+        for rel, n in pieces:
+            self.copy_from_file(fd, file_offset, arena_offset + rel, n)
+            file_offset += n
+
     @abstractmethod
     def close(self) -> None:
         """Wait for outstanding copies and release staging resources."""
+
+
+class ArenaReader:
+    """Copies ranges out into one reusable buffer (used by `verify` from worker threads, one
+    reader per thread). This default goes through `Arena.read`; backends override it."""
+
+    def __init__(self, arena: Arena) -> None:
+        self._arena = arena
+
+    def read(self, offset: int, nbytes: int) -> memoryview:
+        """The bytes, valid until the next call."""
+        return memoryview(self._arena.read(offset, nbytes))
+
+    def close(self) -> None:
+        """Release the buffer."""
+
+
+class FileReader(ArenaReader):
+    """`ArenaReader` over an open file or memfd: preadv into one reused buffer, no copies after."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._buf = memoryview(bytearray(0))
+
+    def read(self, offset: int, nbytes: int) -> memoryview:
+        if len(self._buf) < nbytes:
+            self._buf = memoryview(bytearray(nbytes))
+        view, done = self._buf[:nbytes], 0
+        while done < nbytes:
+            n = os.preadv(self._fd, [view[done:]], offset + done)
+            if n == 0:
+                raise OSError(errno.EIO, "unexpected end of file")
+            done += n
+        return view
 
 
 class Arena(ABC):
@@ -95,6 +140,10 @@ class Arena(ABC):
             now = not self._users
         if now:
             self._release()
+
+    def reader(self) -> ArenaReader:
+        """A reader with its own reusable buffer, for one thread (used by `verify`, under `in_use`)."""
+        return ArenaReader(self)
 
     @abstractmethod
     def _read(self, offset: int, nbytes: int) -> bytes: ...

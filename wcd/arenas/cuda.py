@@ -19,7 +19,7 @@ from typing import Any
 
 from cuda.bindings import driver as cuda
 
-from wcd.arenas.base import Arena, ArenaBackend, ArenaWriter, DeviceInfo
+from wcd.arenas.base import Arena, ArenaBackend, ArenaReader, ArenaWriter, DeviceInfo
 from wcd.arenas.cudrv import Gpu, format_uuid, resolve_gpu
 from wcd.config import format_size
 from wcd.errors import BadRequest, DeviceUnavailable, Internal, OutOfMemory
@@ -195,6 +195,22 @@ class _Lane:
             _check(cuda.cuEventRecord(self.events[i], self.stream), "cuEventRecord")
             file_offset, dst, nbytes = file_offset + n, dst + n, nbytes - n
 
+    def gather(self, fd: int, file_offset: int, dst: int, nbytes: int, pieces: tuple[tuple[int, int], ...]) -> bool:
+        """One preadv scatters a file range into a staging buffer laid out like the arena's `nbytes`
+        at `dst`, one async copy moves it. False (nothing done) if it does not fit one buffer."""
+        if nbytes > self.nbytes:
+            return False
+        i, self.turn = self.turn, (self.turn + 1) % len(self.ptrs)
+        _check(cuda.cuEventSynchronize(self.events[i]), "cuEventSynchronize")
+        staging = self.views[i]
+        want = sum(n for _, n in pieces)
+        got = os.preadv(fd, [staging[rel : rel + n] for rel, n in pieces], file_offset)
+        if got != want:  # short only at end of file, or a file that shrank: let the caller redo it
+            return False
+        _check(cuda.cuMemcpyHtoDAsync(dst, self.ptrs[i], nbytes, self.stream), "cuMemcpyHtoDAsync")
+        _check(cuda.cuEventRecord(self.events[i], self.stream), "cuEventRecord")
+        return True
+
     def close(self) -> None:
         views, ptrs, events, self.views, self.ptrs, self.events = self.views, self.ptrs, self.events, [], [], []
         _cleanup(
@@ -232,7 +248,8 @@ class CudaWriter(ArenaWriter):
                 self._lanes.append(lane)
         return lane
 
-    def copy_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int) -> None:
+    def _target(self, arena_offset: int, nbytes: int) -> int:
+        """The device address of an arena range, with this writer's context current in the calling thread."""
         if arena_offset < 0 or nbytes < 0 or arena_offset + nbytes > self._size:
             raise BadRequest(f"copy of {nbytes} bytes at {arena_offset} falls outside the arena ({self._size} bytes)")
         if self._map.ptr == 0:
@@ -240,7 +257,17 @@ class CudaWriter(ArenaWriter):
         # Loader threads are plain threads: bind the context each call (cheap) rather than trusting
         # whatever an earlier task left current in this thread.
         _check(cuda.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
-        self._lane().copy(fd, file_offset, self._map.ptr + arena_offset, nbytes)
+        return self._map.ptr + arena_offset
+
+    def copy_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int) -> None:
+        dst = self._target(arena_offset, nbytes)
+        self._lane().copy(fd, file_offset, dst, nbytes)
+
+    def copy_scattered(self, fd: int, file_offset: int, arena_offset: int, nbytes: int,
+                       pieces: tuple[tuple[int, int], ...]) -> None:
+        dst = self._target(arena_offset, nbytes)
+        if not self._lane().gather(fd, file_offset, dst, nbytes, pieces):
+            super().copy_scattered(fd, file_offset, arena_offset, nbytes, pieces)
 
     def close(self) -> None:
         with self._lock:
@@ -252,6 +279,36 @@ class CudaWriter(ArenaWriter):
                 _cleanup(*(lane.close for lane in lanes), self._map.close)
         finally:
             release_context(self._gpu)
+
+
+class CudaReader(ArenaReader):
+    """Device-to-host copies into one pinned buffer, reused for every read of this (one) thread:
+    pinned memory copies at the link's rate, pageable memory at a fraction of it."""
+
+    def __init__(self, arena: CudaArena) -> None:
+        super().__init__(arena)
+        self._cuda_arena = arena
+        self._ptr, self._size, self._view, self._ctx = 0, 0, memoryview(b""), None
+
+    def read(self, offset: int, nbytes: int) -> memoryview:
+        ctx, src = self._cuda_arena._source(offset, nbytes)
+        self._ctx = ctx
+        with current(ctx):
+            if nbytes > self._size:
+                self.close()
+                self._ptr = int(_check(cuda.cuMemHostAlloc(nbytes, 0), "cuMemHostAlloc"))
+                self._size = nbytes
+                self._view = memoryview((ctypes.c_char * nbytes).from_address(self._ptr)).cast("B")
+            if nbytes:
+                _check(cuda.cuMemcpyDtoH(self._ptr, src, nbytes), "cuMemcpyDtoH")
+        return self._view[:nbytes]
+
+    def close(self) -> None:
+        if self._ptr:
+            ptr, self._ptr, self._size = self._ptr, 0, 0
+            self._view.release()
+            with current(self._ctx):
+                _check(cuda.cuMemFreeHost(ptr), "cuMemFreeHost")
 
 
 class CudaArena(Arena):
@@ -278,9 +335,10 @@ class CudaArena(Arena):
     def seal(self) -> None:
         """Nothing to do: readers map CUDA arenas read-only (CU_MEM_ACCESS_FLAGS_PROT_READ)."""
 
-    def _read(self, offset: int, nbytes: int) -> bytes:
-        """Device-to-host copy. The first call maps the arena read-only and retains the primary context;
-        both stay until `close` because `verify` reads thousands of small ranges from several threads."""
+    def _source(self, offset: int, nbytes: int) -> tuple[Any, int]:
+        """(context, device address) of an arena range for reading. The first call maps the arena
+        read-only and retains the primary context; both stay until `close` because `verify` reads
+        thousands of ranges from several threads."""
         if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
             raise BadRequest(f"read of {nbytes} bytes at {offset} falls outside the arena ({self.size} bytes)")
         with self._lock:
@@ -295,12 +353,19 @@ class CudaArena(Arena):
                     release_context(self._gpu)
                     raise
                 self._reader_ctx = ctx
-            ctx, ptr = self._reader_ctx, self._reader.ptr
+            return self._reader_ctx, self._reader.ptr + offset
+
+    def _read(self, offset: int, nbytes: int) -> bytes:
+        """Device-to-host copy into fresh pageable memory (for small reads; `reader` for many)."""
+        ctx, src = self._source(offset, nbytes)
         out = bytearray(nbytes)
         if nbytes:
             with current(ctx):
-                _check(cuda.cuMemcpyDtoH(out, ptr + offset, nbytes), "cuMemcpyDtoH")
+                _check(cuda.cuMemcpyDtoH(out, src, nbytes), "cuMemcpyDtoH")
         return bytes(out)
+
+    def reader(self) -> CudaReader:
+        return CudaReader(self)
 
     def _release(self) -> None:
         """Release the allocation and close the exported fd; the memory returns to the driver once

@@ -14,13 +14,14 @@ import os
 import threading
 import time
 
-from wcd.arenas.base import Arena, ArenaBackend, ArenaWriter, DeviceInfo
+from wcd.arenas.base import Arena, ArenaBackend, ArenaWriter, DeviceInfo, FileReader
 from wcd.errors import BadRequest, Busy, OutOfMemory
 from wcd.key import HOST_DEVICE
 from wcd.manifest import align_up
 
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
 PAGE = mmap.PAGESIZE
+STAGING_BYTES = 4 << 20  # per loader thread, for runs of small tensors
 
 
 class HostWriter(ArenaWriter):
@@ -52,6 +53,22 @@ class HostWriter(ArenaWriter):
             if n == 0:
                 raise OSError(errno.EIO, "unexpected end of file")
             file_offset, nbytes = file_offset + n, nbytes - n
+
+    def copy_scattered(self, fd: int, file_offset: int, arena_offset: int, nbytes: int,
+                       pieces: tuple[tuple[int, int], ...]) -> None:
+        """One preadv scatters the file range into a staging buffer laid out like the arena, one
+        pwrite puts it in place: two syscalls for a whole run of small tensors."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < nbytes:
+            buf = self._local.buf = memoryview(bytearray(max(nbytes, STAGING_BYTES)))
+        views = [buf[rel : rel + n] for rel, n in pieces]
+        got = os.preadv(fd, views, file_offset)
+        if got != sum(n for _, n in pieces):  # short only at end of file, or a file that shrank
+            super().copy_scattered(fd, file_offset, arena_offset, nbytes, pieces)
+            return
+        out, pos = self._out(), 0
+        while pos < nbytes:
+            pos += os.pwrite(out, buf[pos:nbytes], arena_offset + pos)
 
     def close(self) -> None:
         with self._lock:
@@ -104,6 +121,9 @@ class HostArena(Arena):
 
     def _read(self, offset: int, nbytes: int) -> bytes:
         return os.pread(self._fd, nbytes, offset)
+
+    def reader(self) -> FileReader:
+        return FileReader(self._fd)
 
     def _release(self) -> None:
         with self._lock:

@@ -1,0 +1,307 @@
+"""Load benchmark (issue 14): the daemon's `load` op against the loaders users pick, warm and cold.
+
+Per checkpoint (synthetic BF16, equal tensors, a few shards), one run, side by side:
+  - ceilings: a plain page-cache -> memfd copy (host) or pinned host->device copy (GPU), and,
+    cold, the disk's parallel O_DIRECT read bandwidth (several readers; no fio needed);
+  - wcd `load` op through a real daemon (fingerprint + allocate + fill), timed by the client;
+  - safetensors `load_file`, fastsafetensors, instanttensor, runai-model-streamer, each in a
+    fresh process with torch (and the CUDA context) up before the clock starts; a peer whose
+    package is missing is reported as such.
+Cold runs drop the page cache first (`sync; echo 3 > /proc/sys/vm/drop_caches`, root only).
+Works with host arenas (`--device cpu`, any Linux VM) and on a GPU (`--device cuda:0`).
+
+    python bench/bench_load.py --device cpu --ckpt 1.6:1000 --ckpt 1.6:100000 --out load.json
+    python bench/bench_load.py --device cuda:0 --ckpt 16:1000 --ckpt 1.6:100000 --cold --out load.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from wcd.client import Client, connect  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+LOADERS = ("wcd", "safetensors", "fastsafetensors", "instanttensor", "runai")
+
+# Each peer runs in a fresh process: argv = loader, device, files...; prints one JSON line.
+_PEER = r"""
+import json, sys, time
+loader, device, files = sys.argv[1], sys.argv[2], sys.argv[3:]
+import torch
+if device.startswith("cuda"):
+    torch.zeros(1, device=device); torch.cuda.synchronize()
+out = {}
+start = time.perf_counter()
+n = 0
+if loader == "safetensors":
+    from safetensors.torch import load_file
+    for f in files:
+        n += sum(t.numel() * t.element_size() for t in load_file(f, device=device).values())
+elif loader == "fastsafetensors":
+    from fastsafetensors import fastsafe_open
+    with fastsafe_open(filenames=files, nogds=True, device=device) as f:
+        for k in f.keys():
+            t = f.get_tensor(k); n += t.numel() * t.element_size()
+elif loader == "instanttensor":
+    import instanttensor
+    with instanttensor.safe_open(files, framework="pt", device=device) as f:
+        for k, t in f.tensors():
+            n += t.numel() * t.element_size()
+elif loader == "runai":
+    from runai_model_streamer import SafetensorsStreamer
+    with SafetensorsStreamer() as s:
+        s.stream_files(files)
+        for _, t in s.get_tensors():
+            t = t.to(device); n += t.numel() * t.element_size()
+if device.startswith("cuda"):
+    torch.cuda.synchronize()
+out["seconds"] = time.perf_counter() - start
+out["bytes"] = n
+print(json.dumps(out))
+"""
+
+
+def write_checkpoint(d: Path, nbytes: int, tensors: int, shards: int) -> list[Path]:
+    """Synthetic BF16 shards of equal tensors (content: a repeated random block; a load does not care)."""
+    per = max(2, nbytes // tensors // 2 * 2)
+    stamp = d / f".spec-{nbytes}-{tensors}-{shards}"
+    files = [d / f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+    if stamp.exists() and all(f.exists() for f in files):
+        return files
+    d.mkdir(parents=True, exist_ok=True)
+    for f in d.glob("*.safetensors"):
+        f.unlink()
+    block = os.urandom(64 << 20)
+    for i, f in enumerate(files):
+        names = range(i * tensors // shards, (i + 1) * tensors // shards)
+        header = {f"layers.{j}.weight": {"dtype": "BF16", "shape": [per // 2], "data_offsets": [k * per, (k + 1) * per]}
+                  for k, j in enumerate(names)}
+        raw = json.dumps(header).encode()
+        raw += b" " * (-len(raw) % 8)
+        with open(f, "wb") as out:
+            out.write(len(raw).to_bytes(8, "little") + raw)
+            left = per * len(names)
+            while left:
+                n = min(left, len(block))
+                out.write(block[:n])
+                left -= n
+    stamp.touch()
+    return files
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def warm(files: list[Path]) -> None:
+    for f in files:
+        with open(f, "rb") as src:
+            while src.read(64 << 20):
+                pass
+
+
+def plain_memfd_copy(files: list[Path], workers: int) -> float:
+    """Ceiling for host arenas: memfd + fallocate + parallel sendfile of 64 MiB ranges, no daemon."""
+    sizes = [f.stat().st_size for f in files]
+    start = time.perf_counter()
+    fd = os.memfd_create("bench", os.MFD_CLOEXEC)
+    os.posix_fallocate(fd, 0, sum(sizes))
+    jobs, base = [], 0
+    for f, size in zip(files, sizes):
+        jobs += [(f, pos, base + pos, min(64 << 20, size - pos)) for pos in range(0, size, 64 << 20)]
+        base += size
+    local = threading.local()
+
+    def one(job: tuple[Path, int, int, int]) -> None:
+        f, pos, at, n = job
+        if getattr(local, "out", None) is None:
+            local.out = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY)
+        src = os.open(f, os.O_RDONLY)
+        try:
+            os.lseek(local.out, at, os.SEEK_SET)
+            while n:
+                k = os.sendfile(local.out, src, pos, n)
+                pos, n = pos + k, n - k
+        finally:
+            os.close(src)
+
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(one, jobs))
+    seconds = time.perf_counter() - start
+    os.close(fd)
+    return seconds
+
+
+def direct_read(files: list[Path], readers: int, block: int = 16 << 20) -> float:
+    """The disk's parallel O_DIRECT read bandwidth: `readers` threads, `block`-byte aligned reads."""
+    jobs = [(f, pos) for f in files for pos in range(0, f.stat().st_size // block * block, block)]
+    local = threading.local()
+
+    def one(job: tuple[Path, int]) -> int:
+        f, pos = job
+        if getattr(local, "buf", None) is None:
+            local.buf = mmap.mmap(-1, block)
+        fd = os.open(f, os.O_RDONLY | os.O_DIRECT)
+        try:
+            return os.preadv(fd, [local.buf], pos)
+        finally:
+            os.close(fd)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(readers) as pool:
+        total = sum(pool.map(one, jobs))
+    return total / (time.perf_counter() - start)
+
+
+def pinned_h2d(device: str) -> float:
+    import torch
+
+    src = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(4):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    return 4 * (1 << 30) / (time.perf_counter() - start)
+
+
+class Daemon:
+    def __init__(self, root: Path, device: str) -> None:
+        self.socket = root / "wcd.sock"
+        config = root / "wcd.toml"
+        budget = '"90%"' if device != "cpu" else '"80%"'
+        config.write_text(f'[daemon]\nsocket = "{self.socket}"\nbudget = {{ "{device}" = {budget} }}\n')
+        self.log = open(root / "daemon.log", "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "wcd", "serve", "--config", str(config)],
+                                     stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
+        connect(self.socket, wait_s=60, while_alive=lambda: self.proc.poll() is None, heartbeats=False).close()
+
+    def load(self, path: Path, device: str, name: str, verify: dict[str, object] | None = None) -> float:
+        """Seconds of one `load` op; with `verify`, also times a `verify` op of the entry into it."""
+        with Client(self.socket, heartbeats=False, timeout=3600) as c:
+            start = time.perf_counter()
+            c.load(name, path, device=device, wait=True)
+            seconds = time.perf_counter() - start
+            if verify is not None:
+                start = time.perf_counter()
+                verify["match"] = c.verify(name)["match"]
+                verify["seconds"] = time.perf_counter() - start  # hashes the arena and the files
+            c.evict(name)
+        return seconds
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+        self.log.close()
+
+
+def peer(loader: str, device: str, files: list[Path]) -> dict[str, object]:
+    r = subprocess.run([sys.executable, "-c", _PEER, loader, device, *map(str, files)], capture_output=True,
+                       text=True, timeout=600)
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["failed"])[-1]
+        return {"error": last[:300]}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "wcd-bench-load")
+    ap.add_argument("--ckpt", action="append", help="GB:TENSORS, repeatable (default 1.6:1000 and 1.6:100000)")
+    ap.add_argument("--shards", type=int, default=4)
+    ap.add_argument("--loaders", default=",".join(LOADERS))
+    ap.add_argument("--cold", action="store_true", help="also with the page cache dropped (root)")
+    ap.add_argument("--reps", type=int, default=2, help="warm repetitions (best is reported)")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    from wcd.loader import default_workers
+
+    loaders = [x for x in args.loaders.split(",") if x]
+    specs = [(float(g), int(t)) for g, t in (s.split(":") for s in args.ckpt or ["1.6:1000", "1.6:100000"])]
+    result: dict[str, object] = {"date": time.strftime("%Y-%m-%d %H:%M"), "host": platform.node(),
+                                 "cpus": os.cpu_count(), "python": platform.python_version(),
+                                 "device": args.device, "runs": []}
+    runs: list[dict[str, object]] = result["runs"]  # type: ignore[assignment]
+    with tempfile.TemporaryDirectory() as tmp:
+        daemon = Daemon(Path(tmp), args.device)
+        try:
+            for gb, tensors in specs:
+                d = args.dir / f"{gb:g}gb-{tensors}"
+                files = write_checkpoint(d, int(gb * 1e9), tensors, args.shards)
+                nbytes = sum(f.stat().st_size for f in files)
+                modes = ["warm"] + (["cold"] if args.cold else [])
+                for mode in modes:
+                    row: dict[str, object] = {"gb": nbytes / 1e9, "tensors": tensors, "mode": mode}
+                    if mode == "cold" and not drop_caches():
+                        row["error"] = "cannot drop the page cache (not root)"
+                        runs.append(row)
+                        continue
+
+                    def prepare(mode: str = mode, files: list[Path] = files) -> None:
+                        if mode == "cold":
+                            drop_caches()
+                        else:
+                            warm(files)
+
+                    reps = args.reps if mode == "warm" else 1
+                    if mode == "cold":
+                        prepare()
+                        row["direct_read_GBps"] = direct_read(files, 8) / 1e9
+                    if args.device == "cpu":
+                        best = 1e9
+                        for _ in range(reps):
+                            prepare()
+                            best = min(best, plain_memfd_copy(files, default_workers()))
+                        row["plain_memfd_copy_GBps"] = nbytes / best / 1e9
+                    elif mode == "warm" and "h2d" not in result:
+                        result["pinned_h2d_GBps"] = pinned_h2d(args.device) / 1e9
+                    for loader in loaders:
+                        times = []
+                        for i in range(reps):
+                            prepare()
+                            if loader == "wcd":
+                                verify: dict[str, object] | None = {} if mode == "warm" and i == 0 else None
+                                times.append(daemon.load(d, args.device, f"b{len(runs)}-{i}", verify))
+                                if verify:
+                                    row["wcd_verify"] = {**verify, "GBps_each_side": nbytes / verify["seconds"] / 1e9}  # type: ignore[operator]
+                            else:
+                                got = peer(loader, args.device, files)
+                                if "error" in got:
+                                    row[loader] = got
+                                    break
+                                times.append(float(got["seconds"]))  # type: ignore[arg-type]
+                        if times:
+                            row[loader] = {"seconds": min(times), "GBps": nbytes / min(times) / 1e9}
+                        print(json.dumps({k: row[k] for k in ("gb", "tensors", "mode", loader)}), flush=True)
+                    runs.append(row)
+                    print(json.dumps(row), flush=True)
+        finally:
+            daemon.stop()
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

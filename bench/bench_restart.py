@@ -1,0 +1,59 @@
+"""Restart benchmark (issue 14 item 3): `wcd serve` from exec to READY=1 with entries re-adopted
+from the fd store, under the test suite's stand-in for systemd (socket activation, NOTIFY_SOCKET,
+FDSTORE). Loads the checkpoints once, restarts `--restarts` times and reports each exec -> READY.
+
+    python bench/bench_restart.py --ckpt /tmp/wcd-bench-load/1.6gb-1000 [--ckpt DIR ...] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.integration.test_systemd_harness import FakeSystemd  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ckpt", action="append", type=Path, required=True)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--restarts", type=int, default=3)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        cfg = root / "wcd.toml"
+        text = f'[daemon]\nsocket = "{root / "unused.sock"}"\n'
+        for i, path in enumerate(args.ckpt):
+            text += f'\n[[models]]\nname = "m{i}"\npath = "{path}"\ndevice = "{args.device}"\n'
+        cfg.write_text(text)
+        systemd = FakeSystemd(root)
+        try:
+            systemd.start(cfg)
+            with open(systemd.log) as log:
+                deadline = time.monotonic() + 600
+                while log.read().count("loaded ") < len(args.ckpt) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                    log.seek(0)
+            time.sleep(0.5)  # parked
+            systemd.stop()
+            times = []
+            for _ in range(args.restarts):
+                start = time.perf_counter()
+                systemd.start(cfg)  # returns at READY=1
+                times.append(time.perf_counter() - start)
+                systemd.stop()
+            adopted = systemd.log.read_text().count("adopted ")
+        finally:
+            systemd.close()
+    print(json.dumps({"exec_to_ready_s": times, "adopted": adopted, "checkpoints": [str(p) for p in args.ckpt]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
