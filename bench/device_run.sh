@@ -3,6 +3,7 @@
 #   bash bench/device_run.sh tests    GPU tests + multi-GPU run (needs 2+ GPUs for the latter)
 #   bash bench/device_run.sh bench    the 32 GB side-by-side benchmark
 #   bash bench/device_run.sh attach   attach benchmark (1k/10k/100k tensors), GPU tests, plugin bind
+#   bash bench/device_run.sh final    GPU tests, load benchmark (warm and cold), attach benchmark
 # Logs and JSON land in $OUT (the device tool brings them back).
 set -u
 cd "$(dirname "$0")/.."
@@ -31,6 +32,14 @@ getattr(m, 'driver', lambda: None)() and m.driver().gpus(); print('$mod', round(
     timeout 170 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
       | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" | cut -c1-300
     timeout 60 python3 bench/bind_gpu.py --dir /tmp/wcd-bind 2>&1 | tee "$OUT/bind-gpu.log" | tail -8 ;;
+  final)
+    timeout 150 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
+      | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" | cut -c1-300
+    timeout 240 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 16:1000 \
+      --ckpt 1.6:100000 --cold --reps 1 --loaders wcd,safetensors,runai --out "$OUT/load-h200.json" 2>&1 \
+      | tee "$OUT/load-h200.log" | tail -25
+    timeout 150 python3 bench/bench_attach.py --device cuda:0 --dir /tmp --counts 1000,100000 \
+      --out "$OUT/attach-h200-final.json" 2>&1 | tee "$OUT/attach-h200-final.log" | tail -8 ;;
   bench)
     timeout 560 python3 bench/bench_gpu.py --dir /tmp/wcd-bench-32 --size-gb "${2:-32}" --out "$OUT/bench_gpu.json" \
       2>&1 | tee "$OUT/bench_gpu.log" | grep -v "^\[bench\]" ;;
