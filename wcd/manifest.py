@@ -17,8 +17,8 @@ import sys
 from array import array
 from collections.abc import Iterable, Sequence
 from functools import cached_property, lru_cache
-from itertools import compress
-from operator import add, itemgetter, le, mul
+from itertools import accumulate, compress, repeat
+from operator import add, and_, itemgetter, le, mul
 from typing import Any, NamedTuple
 
 from wcd.errors import BadRequest
@@ -44,6 +44,7 @@ _CODE = {d: i for i, d in enumerate(DTYPES)}
 # Names the daemon lays out may not hold control characters (they would forge log lines); NUL
 # separates names on the wire, so no name read from the wire can hold it either.
 _CONTROL_CHAR = re.compile(r"[\x00-\x1f\x7f]")
+_CONTROL_BYTES = bytes(range(1, 32)) + b"\x7f"  # NUL separates names in a joined column
 _LITTLE = sys.byteorder == "little"
 
 
@@ -295,8 +296,17 @@ class Manifest:
         if not isinstance(obj, dict) or not isinstance(obj.get("names"), str) \
                 or not all(type(obj.get(k)) is bytes for k in TENSOR_COLUMNS[1:]):
             raise BadRequest("tensors must be {names: str, " + ", ".join(f"{k}: bin" for k in TENSOR_COLUMNS[1:]) + "}")
-        names, codes, shapes, _, ids = _tensor_columns(obj)
-        return cls.build(zip(names, map(DTYPES.__getitem__, codes), map(shapes.__getitem__, ids)))
+        names, codes, shapes, numels, ids = _tensor_columns(obj)
+        raw = obj["names"].encode()
+        if len(raw.translate(None, _CONTROL_BYTES)) != len(raw):  # UTF-8 never hides these bytes
+            _check_name(next(n for n in names if _CONTROL_CHAR.search(n)))
+        sizes = list(map(mul, map(numels.__getitem__, ids), map(ITEMSIZES.__getitem__, codes)))
+        # Each offset is aligned, so the next one is it plus the size rounded up (as `build` lays out).
+        ends = list(accumulate(map(and_, map(add, sizes, repeat(ALIGN - 1)), repeat(-ALIGN)), initial=0))
+        size = max(ends[-1], ALIGN)
+        if size > MAX_DIM:
+            raise BadRequest(f"the tensors need {size} bytes, more than an arena can hold")
+        return cls(names, codes, tuple(shapes), ids, array("Q", ends[:-1]), sizes, size)
 
     @classmethod
     def _from_rows(cls, obj: dict[str, Any]) -> Manifest:

@@ -20,6 +20,7 @@ import resource
 import signal
 import socket
 import struct
+import sys
 import tempfile
 import time
 from collections.abc import Coroutine
@@ -390,6 +391,9 @@ def run(config: Config, instance: str = "wcd", config_path: Path | None = None,
     """
     import uvloop
 
+    # Worker threads run Python too (layouts, digests of small tensors): with the default 5 ms
+    # switch interval the loop can wait that long for the GIL several times per request.
+    sys.setswitchinterval(0.001)
     listen_fd, parked = systemd.split_listener(passed_fds or [])
 
     async def main() -> None:

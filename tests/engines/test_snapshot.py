@@ -127,7 +127,8 @@ def test_publish_snapshot_then_read_meta_refuses_what_is_not_a_snapshot(make_dae
     src, before = processed()
     d = make_daemon()
     with d.client() as c:
-        name, count = publish_snapshot(c, WeightCacheKey(model="tiny"), src, before=before, model_attrs={"flag": True})
+        name, count = publish_snapshot(c, WeightCacheKey(model="tiny", transform="test/snapshot"), src,
+                                       before=before, model_attrs={"flag": True})
         assert count == 7
         with c.acquire(name) as lease:
             meta = read_meta(lease.entry, lease.tensors)
@@ -136,6 +137,6 @@ def test_publish_snapshot_then_read_meta_refuses_what_is_not_a_snapshot(make_dae
                 dst = Tiny()
             bind(dst, lease.tensors, meta, copy=True)
             assert dst.flag is True
-        raw = c.publish(WeightCacheKey(model="plain"), {"w": torch.zeros(4)})
+        raw = c.publish(WeightCacheKey(model="plain", transform="test/plain"), {"w": torch.zeros(4)})
         with c.acquire(raw) as lease, pytest.raises(SnapshotMismatch, match="not a published snapshot"):
             read_meta(lease.entry, lease.tensors)

@@ -108,3 +108,13 @@ def sparse_checkpoint(path: Path, nbytes: int) -> Path:
         f.write(len(header).to_bytes(8, "little") + header)
         f.truncate(8 + len(header) + nbytes)
     return path
+
+
+@pytest.fixture(autouse=True)
+def close_raw() -> Iterator[None]:
+    """Hand-written peers (`tests.integration.peers.Raw`) a test opened are closed after it."""
+    from tests.integration.peers import Raw
+
+    yield
+    while Raw.opened:
+        Raw.opened.pop().close()

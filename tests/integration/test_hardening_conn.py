@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 
 from tests.integration.conftest import Daemon
+from tests.integration.peers import Raw
 from tests.integration.pings import assert_fast, pinging
 from wcd import wire
 from wcd.client import Client
@@ -41,71 +42,6 @@ def model_config(path: Path) -> str:
     return f'\n[[models]]\nname = "m"\npath = "{path}"\n'
 
 
-# -- the attacker's side: frames by hand --------------------------------------------------------------
-
-
-class Raw:
-    """One connection speaking the wire protocol by hand: frames (and fds) out, frames in."""
-
-    opened: list[Raw] = []  # closed after each test (`close_raw`)
-
-    def __init__(self, path: Path, hello: bool = True) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        Raw.opened.append(self)
-        self.sock.connect(str(path))
-        self.sock.settimeout(30)
-        self.dec = wire.FrameDecoder()
-        self.ids = iter(range(1, 1 << 62))
-        if hello:
-            reply = self.call({"op": "hello", "versions": [2]})
-            assert reply["ok"], reply
-
-    def frame(self, msg: dict[str, Any]) -> bytes:
-        return wire.encode({"id": next(self.ids), **msg})
-
-    def send(self, data: bytes, fds: list[int] | None = None) -> None:
-        if fds:
-            data = data[socket.send_fds(self.sock, [data], fds):]
-        if data:
-            self.sock.sendall(data)
-
-    def recv(self) -> dict[str, Any]:
-        """The next frame; any fds it carries are closed."""
-        while (item := self.dec.next_message()) is None:
-            data, anc, _, _ = self.sock.recvmsg(1 << 20, socket.CMSG_SPACE(16 * 4))
-            if not data:
-                raise EOFError("the daemon closed the connection")
-            self.dec.feed(data, wire.fds_from_ancillary(anc))
-        msg, fds = item
-        for fd in fds:
-            os.close(fd)
-        return msg
-
-    def call(self, msg: dict[str, Any]) -> dict[str, Any]:
-        self.send(self.frame(msg))
-        return self.recv()
-
-    def last_words(self, timeout: float = 10.0) -> dict[str, Any] | None:
-        """The stream-level error (id None) the daemon sent before closing, if it closed (None
-        also if it keeps the connection open past `timeout`)."""
-        self.sock.settimeout(timeout)
-        try:
-            while True:
-                msg = self.recv()
-                if msg.get("id") is None:
-                    return msg
-        except (EOFError, ConnectionResetError, TimeoutError):
-            return None
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-@pytest.fixture(autouse=True)
-def close_raw() -> Iterator[None]:
-    yield
-    while Raw.opened:
-        Raw.opened.pop().close()
 
 
 def open_fds(d: Daemon) -> int:
