@@ -248,9 +248,9 @@ def test_unpacked_layout_runs_without_torch(unpacked: Path, tmp_path: Path) -> N
         f'[daemon]\nsocket = "{sock}"\nbudget = {{ cpu = "64MiB" }}\n\n'
         f'[[models]]\nname = "tiny"\npath = "{tmp_path / "tiny.safetensors"}"\ndevice = "cpu"\n')
     # -X importtime lists every module the daemon imports, on stderr.
-    daemon = subprocess.Popen([SYSTEM_PYTHON, "-sP", "-X", "importtime", str(wcd), "serve", "--config",
-                               str(tmp_path / "wcd.toml")], env=env, stdout=subprocess.DEVNULL,
-                              stderr=open(tmp_path / "daemon.log", "wb"))
+    with open(tmp_path / "daemon.log", "wb") as log:  # the child keeps its own copy of the fd
+        daemon = subprocess.Popen([SYSTEM_PYTHON, "-sP", "-X", "importtime", str(wcd), "serve", "--config",
+                                   str(tmp_path / "wcd.toml")], env=env, stdout=subprocess.DEVNULL, stderr=log)
     try:
         deadline = time.monotonic() + 30
         while True:
