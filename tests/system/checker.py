@@ -93,7 +93,8 @@ def summary(tensors: dict[str, tuple[str, list[int], bytes]]) -> dict:
 
 
 def check(socket_path: str, name: str, path: Path) -> dict:
-    from wcd.client import Client  # the only wcd import: the low-level request, no torch views
+    from wcd.client import Client  # the low-level request and the manifest's own decoder, no torch views
+    from wcd.manifest import Manifest
 
     expected = read_checkpoint(path)
     with Client(socket_path, name="tests/system checker", heartbeats=False) as client:
@@ -101,14 +102,13 @@ def check(socket_path: str, name: str, path: Path) -> dict:
         try:
             if len(fds) != 1:
                 sys.exit(f"checker: acquire returned {len(fds)} fds, expected 1")
-            arena, rows = reply["arena"], reply["manifest"]["tensors"]
+            arena, rows = reply["arena"], Manifest.from_wire(reply["manifest"]).tensors
             if arena["kind"] != "host":
                 sys.exit(f"checker: arena kind {arena['kind']!r}, expected 'host'")
             with mmap.mmap(fds[0], arena["size"], flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ) as m:
                 got: dict[str, tuple[str, list[int], bytes]] = {}
-                for tname, dtype, shape, offset in rows:
-                    nbytes = _count(shape) * DTYPES[dtype]
-                    got[tname] = (dtype, list(shape), m[offset : offset + nbytes])
+                for t in rows:
+                    got[t.name] = (t.dtype, list(t.shape), m[t.offset : t.offset + t.nbytes])
         finally:
             for fd in fds:
                 os.close(fd)
