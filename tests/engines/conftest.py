@@ -44,7 +44,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def terminate(proc: subprocess.Popen[Any]) -> None:
-    """SIGTERM, then SIGKILL after 30 s."""
+    """SIGTERM, then SIGKILL after 30 s; then close our ends of its pipes."""
     if proc.poll() is None:
         proc.terminate()
         try:
@@ -52,6 +52,9 @@ def terminate(proc: subprocess.Popen[Any]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    for pipe in (proc.stdin, proc.stdout, proc.stderr):
+        if pipe is not None:
+            pipe.close()
 
 class Daemon:
     """`python -m wcd serve --config ...` on a socket in the test's tmp dir."""
