@@ -229,13 +229,13 @@ async def verify(ctx: Context, conn: Connection, req: protocol.Verify) -> None:
                    "wait for one to finish", {"limit": limit})
     ctx.verifying[conn.uid] += 1
     try:
-        actual, expected, source = await ctx.residency.verify(entry)
+        actual, mismatched, source = await ctx.residency.verify(entry)
     finally:
         ctx.verifying[conn.uid] -= 1
         if not ctx.verifying[conn.uid]:
             del ctx.verifying[conn.uid]
-    mismatched = sorted(n for n in set(actual) | set(expected) if actual.get(n) != expected.get(n))
-    total = hashlib.blake2b(digest_size=16)
+    # The content digest of what is resident: sha256 over (name, per-tensor sha256) in name order.
+    total = hashlib.sha256()
     for name in sorted(actual):
         total.update(name.encode() + b"\0" + bytes.fromhex(actual[name]))
     conn.send(protocol.ok(req.id, entry=entry.name, match=not mismatched, against=source,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import socket
@@ -19,9 +20,11 @@ from safetensors.torch import load_file, save_file
 
 from tests.integration.conftest import same, sparse_checkpoint
 from wcd import protocol
+from wcd.checkpoint import read_header
 from wcd.client import Client
 from wcd.errors import BadRequest, Busy, DaemonUnavailable, KeyMismatch, NotFound, OutOfMemory, PermissionDenied
 from wcd.key import WeightCacheKey
+from wcd.loader import DIGEST_CHUNK
 
 
 def model_config(path: Path, name: str = "m", retention: str = "pinned") -> str:
@@ -107,6 +110,7 @@ def test_killed_publisher_loses_its_reservation(make_daemon):
     d = make_daemon()
     script = f"""
 import sys, time, torch
+from wcd.checkpoint import read_header
 from wcd.client import Client
 from wcd.key import WeightCacheKey
 c = Client({str(d.socket)!r})
@@ -382,6 +386,43 @@ def test_verify_detects_a_changed_checkpoint(make_daemon, checkpoint):
         save_file(changed, str(first))
         r = c.verify("m")
         assert r["match"] is False and r["mismatched"] == ["w.f32"]
+
+
+def content_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """verify's `digest`, computed here from the bytes: sha256 over (name, per-tensor digest) in name
+    order; a tensor's digest is sha256 of its bytes, or of its DIGEST_CHUNK pieces' sha256 digests."""
+    total = hashlib.sha256()
+    for name in sorted(tensors):
+        data = tensors[name].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        pieces = [data[i : i + DIGEST_CHUNK] for i in range(0, len(data), DIGEST_CHUNK)]
+        one = hashlib.sha256(pieces[0] if len(pieces) == 1 else b"".join(hashlib.sha256(p).digest() for p in pieces))
+        total.update(name.encode() + b"\0" + one.digest())
+    return total.hexdigest()
+
+
+def test_verify_names_the_one_tensor_whose_file_byte_changed(make_daemon, checkpoint):
+    """One byte of one tensor changed in place after the load: verify (one pass, comparing the
+    files' bytes) reports exactly that tensor; its digest stays that of what is resident, the same
+    as for a published copy of the same tensors."""
+    path, tensors = checkpoint
+    d = make_daemon(model_config(path))
+    with d.client() as c:
+        r = c.verify("m")
+        assert (r["match"], r["mismatched"], r["tensors"]) == (True, [], len(tensors))
+        assert r["digest"] == content_digest(tensors)
+        shard = sorted(path.iterdir())[0]
+        [t] = [t for t in read_header(shard).tensors if t.name == "w.bf16"]
+        with open(shard, "r+b") as f:
+            f.seek(t.begin + 100)
+            byte = f.read(1)[0]
+            f.seek(t.begin + 100)
+            f.write(bytes([byte ^ 0x40]))
+        r = c.verify("m")
+        assert (r["match"], r["mismatched"], r["against"]) == (False, ["w.bf16"], str(path))
+        assert r["digest"] == content_digest(tensors)
+        published = c.publish(WeightCacheKey(model="copy", transform="test"), tensors)
+        r = c.verify(published)
+        assert (r["match"], r["against"], r["digest"]) == (True, "digest at commit", content_digest(tensors))
 
 
 def test_sigterm_exits_cleanly_and_removes_socket(make_daemon, checkpoint):

@@ -58,11 +58,20 @@ class ArenaReader:
         self._arena = arena
 
     def read(self, offset: int, nbytes: int) -> memoryview:
-        """The bytes, valid until the next call."""
-        return memoryview(self._arena.read(offset, nbytes))
+        """The bytes, in a writable buffer (`verify` compares it by address), valid until the next call."""
+        return memoryview(bytearray(self._arena.read(offset, nbytes)))
 
     def close(self) -> None:
         """Release the buffer."""
+
+
+def pread_into(fd: int, view: memoryview, offset: int) -> None:
+    """Fill `view` from `fd` at `offset` (preadv may return short counts); EIO at end of file."""
+    while view:
+        n = os.preadv(fd, [view], offset)
+        if n == 0:
+            raise OSError(errno.EIO, "unexpected end of file")
+        view, offset = view[n:], offset + n
 
 
 class FileReader(ArenaReader):
@@ -75,12 +84,8 @@ class FileReader(ArenaReader):
     def read(self, offset: int, nbytes: int) -> memoryview:
         if len(self._buf) < nbytes:
             self._buf = memoryview(bytearray(nbytes))
-        view, done = self._buf[:nbytes], 0
-        while done < nbytes:
-            n = os.preadv(self._fd, [view[done:]], offset + done)
-            if n == 0:
-                raise OSError(errno.EIO, "unexpected end of file")
-            done += n
+        view = self._buf[:nbytes]
+        pread_into(self._fd, view, offset)
         return view
 
 
@@ -107,11 +112,15 @@ class Arena(ABC):
     def seal(self) -> None:
         """No more writes after this: the contents are final and shared read-only."""
 
-    def read(self, offset: int, nbytes: int) -> bytes:
-        """Copy bytes out (used by `verify`); refused once the arena is closing, so a long digest
-        of an evicted entry stops at its next read instead of holding the memory."""
+    def check_open(self) -> None:
+        """`NotFound` once the arena is closing: a long digest of an evicted entry calls this
+        between reads, so it stops instead of holding the memory."""
         if self._closing:
             raise NotFound("the arena was reclaimed while it was being read (entry evicted or daemon stopping)")
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        """Copy bytes out; refused once the arena is closing (`check_open`)."""
+        self.check_open()
         return self._read(offset, nbytes)
 
     @contextmanager
