@@ -9,7 +9,6 @@ CUDA_VISIBLE_DEVICES finds the same GPU. Needs the `cuda` extra (cuda-bindings),
 from __future__ import annotations
 
 import ctypes
-import errno
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -19,7 +18,7 @@ from typing import Any
 
 from cuda.bindings import driver as cuda
 
-from wcd.arenas.base import Arena, ArenaBackend, ArenaReader, ArenaWriter, DeviceInfo
+from wcd.arenas.base import Arena, ArenaBackend, ArenaReader, ArenaWriter, DeviceInfo, pread_into
 from wcd.arenas.cudrv import Gpu, format_uuid, resolve_gpu
 from wcd.config import format_size
 from wcd.errors import BadRequest, DeviceUnavailable, Internal, OutOfMemory
@@ -150,15 +149,6 @@ def _alloc_prop(gpu: Gpu) -> Any:
 def granularity(gpu: Gpu) -> int:
     flag = cuda.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
     return int(_check(cuda.cuMemGetAllocationGranularity(_alloc_prop(gpu), flag), "cuMemGetAllocationGranularity"))
-
-
-def pread_into(fd: int, view: memoryview, offset: int) -> None:
-    """Fill `view` from `fd` at `offset` (preadv may return short counts); EIO at end of file."""
-    while view:
-        n = os.preadv(fd, [view], offset)
-        if n == 0:
-            raise OSError(errno.EIO, "unexpected end of file")
-        view, offset = view[n:], offset + n
 
 
 class _Lane:
