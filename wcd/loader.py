@@ -19,6 +19,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import itemgetter
 from typing import Protocol
 
 from wcd import key
@@ -157,13 +159,14 @@ def _tasks(ranges: list[_Range]) -> list[list[_Piece]]:
 
 def _run_task(reader: ArenaReader, files: _FileBuffer, task: list[_Piece]) -> list[tuple[bytes, bool]]:
     """(sha256, same as the file) of each piece: one arena read of the task's span, one preadv per
-    run of pieces that lie back to back in a file, then memcmp and hashlib (both without the GIL)."""
+    run of pieces that lie back to back in a file, one memcmp per run of pieces back to back in the
+    arena (piece by piece only where that run differs), then hashlib; all four without the GIL."""
     first = task[0][0]
     arena = reader.read(first, task[-1][0] + task[-1][1] - first)
     arena_at = _address(arena)
-    # File runs go one after the other into the file buffer; where each piece's bytes landed.
+    # The file bytes of the compared pieces go one after the other into the file buffer, in order.
     runs: list[tuple[int, int, int]] = []  # (fd, file offset, nbytes)
-    places: list[int] = []
+    places: list[int] = []  # per piece: where its file bytes landed, -1 if it has none
     filled = 0
     for _, n, fd, file_offset in task:
         if fd < 0:
@@ -175,17 +178,29 @@ def _run_task(reader: ArenaReader, files: _FileBuffer, task: list[_Piece]) -> li
             runs.append((fd, file_offset, n))
         places.append(filled)
         filled += n
-    file_at = files.reserve(filled) if filled else 0
+    file_at = files.reserve(filled)
     pos = 0
     for fd, file_offset, n in runs:
         pread_into(fd, files.view[pos : pos + n], file_offset)
         pos += n
-    out = []
-    for (at, n, _, _), place in zip(task, places):
-        rel = at - first
-        same = place >= 0 and (n == 0 or _libc.memcmp(arena_at + rel, file_at + place, n) == 0)
-        out.append((hashlib.sha256(arena[rel : rel + n]).digest(), same))
-    return out
+    same: list[bool] = []
+    i = 0
+    while i < len(task):
+        if places[i] < 0:
+            same.append(False)
+            i += 1
+            continue
+        j, end = i + 1, task[i][0] + task[i][1]
+        while j < len(task) and places[j] >= 0 and task[j][0] == end:  # no padding between them
+            end += task[j][1]
+            j += 1
+        if _libc.memcmp(arena_at + task[i][0] - first, file_at + places[i], end - task[i][0]) == 0:
+            same += [True] * (j - i)
+        else:
+            same += [_libc.memcmp(arena_at + task[k][0] - first, file_at + places[k], task[k][1]) == 0
+                     for k in range(i, j)]
+        i = j
+    return [(hashlib.sha256(arena[at - first : at - first + n]).digest(), ok) for (at, n, _, _), ok in zip(task, same)]
 
 
 def _digest_ranges(arena: Arena, ranges: list[_Range]) -> tuple[dict[str, str], set[str]]:
@@ -212,17 +227,20 @@ def _digest_ranges(arena: Arena, ranges: list[_Range]) -> tuple[dict[str, str], 
 
     try:
         with ThreadPoolExecutor(digest_workers(), thread_name_prefix="wcd-digest") as pool:
+            ranges = sorted(ranges, key=itemgetter(1))  # by arena offset: neighbours share a read
             results = (r for rs in pool.map(one, _tasks(ranges)) for r in rs)
             digests: dict[str, str] = {}
             differ: set[str] = set()
+            chunk = DIGEST_CHUNK
             for name, _, nbytes, source in ranges:
-                n = -(-nbytes // DIGEST_CHUNK)
-                pieces = [next(results) for _ in range(n)]
-                if n == 1:
-                    digests[name] = pieces[0][0].hex()
-                else:  # none (an empty range) or several
+                if 0 < nbytes <= chunk:
+                    digest, same = next(results)
+                    digests[name] = digest.hex()
+                else:  # no piece (an empty range) or several
+                    pieces = [next(results) for _ in range(-(-nbytes // chunk))]
                     digests[name] = hashlib.sha256(b"".join(d for d, _ in pieces)).hexdigest()
-                if source is not None and not all(same for _, same in pieces):
+                    same = all(ok for _, ok in pieces)
+                if source is not None and not same:
                     differ.add(name)
             return digests, differ
     finally:
@@ -236,7 +254,7 @@ def digest_workers() -> int:
 
 def digest_arena(arena: Arena, manifest: Manifest) -> dict[str, str]:
     """Per-tensor content digest (sha256) of what is resident in an arena (blocking)."""
-    digests, _ = _digest_ranges(arena, [(t.name, t.offset, t.nbytes, None) for t in manifest.tensors])
+    digests, _ = _digest_ranges(arena, list(zip(manifest.names, manifest.offsets, manifest.sizes, repeat(None))))
     return digests
 
 
@@ -252,12 +270,11 @@ def verify_arena(arena: Arena, manifest: Manifest, checkpoint: Checkpoint) -> tu
               for t in h.tensors}
     ranges: list[_Range] = []
     missing: set[str] = set()
-    for t in manifest.tensors:
-        fd, begin, nbytes = stored.pop(t.name, (-1, 0, -1))
-        same_size = nbytes == t.nbytes
-        ranges.append((t.name, t.offset, t.nbytes, (fd, begin) if same_size else None))
-        if not same_size:
-            missing.add(t.name)
+    for name, offset, size in zip(manifest.names, manifest.offsets, manifest.sizes):
+        fd, begin, nbytes = stored.pop(name, (-1, 0, -1))
+        ranges.append((name, offset, size, (fd, begin) if nbytes == size else None))
+        if nbytes != size:
+            missing.add(name)
     missing.update(stored)  # in the checkpoint only
     try:
         digests, differ = _digest_ranges(arena, ranges)

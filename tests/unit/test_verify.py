@@ -37,7 +37,8 @@ def tensors() -> dict[str, torch.Tensor]:
         "scalar": torch.tensor(3.5, dtype=torch.float64),
         "empty": torch.zeros(0, 4),
     }
-    out.update({f"s.{i}": torch.randn(250, generator=g) for i in range(300)})  # ~1 KB each
+    out.update({f"s.{i}": torch.randn(250, generator=g) for i in range(300)})  # 1000 B: padded in the arena
+    out.update({f"a.{i}": torch.randn(64, generator=g) for i in range(200)})  # 256 B: back to back there too
     return out
 
 
@@ -60,8 +61,8 @@ def ckpt_dir(tmp_path: Path) -> Path:
     d.mkdir()
     ts = tensors()
     names = list(ts)
-    save_file({n: ts[n] for n in names[:150]}, str(d / "model-00001-of-00002.safetensors"))
-    save_file({n: ts[n] for n in names[150:]}, str(d / "model-00002-of-00002.safetensors"))
+    save_file({n: ts[n] for n in names[:350]}, str(d / "model-00001-of-00002.safetensors"))
+    save_file({n: ts[n] for n in names[350:]}, str(d / "model-00002-of-00002.safetensors"))
     return d
 
 
@@ -104,7 +105,8 @@ def test_digests_are_sha256_of_each_tensor(loaded: tuple[HostArena, Manifest], c
 
 
 @pytest.mark.parametrize(("name", "at"), [("big", 2 * CHUNK + 17), ("big", 3 * CHUNK + 4), ("s.123", 0),
-                                          ("one.piece", CHUNK - 1), ("scalar", 7)])
+                                          ("one.piece", CHUNK - 1), ("scalar", 7), ("a.0", 0),
+                                          ("a.42", 100), ("a.199", 255)])
 def test_a_changed_byte_marks_that_tensor_only(loaded: tuple[HostArena, Manifest], ckpt_dir: Path,
                                                name: str, at: int) -> None:
     arena, manifest = loaded
