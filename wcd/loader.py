@@ -141,19 +141,20 @@ class _FileBuffer:
 
 
 def _tasks(ranges: list[_Range]) -> list[list[_Piece]]:
-    """Ranges split into `DIGEST_CHUNK` pieces, grouped into tasks of about one piece's bytes that
-    each read one arena span: 100,000 small tensors make ~100 tasks, not 100,000 reads."""
+    """Ranges (sorted by offset) split into `DIGEST_CHUNK` pieces, grouped into tasks that each read
+    one arena span of at most `DIGEST_CHUNK` bytes (so a reader's buffer never grows past it):
+    100,000 small tensors make ~100 tasks, not 100,000 reads."""
     tasks: list[list[_Piece]] = []
-    size, end = DIGEST_CHUNK, -1
+    start, end = -DIGEST_CHUNK, -DIGEST_CHUNK
     for _, offset, nbytes, source in ranges:
         fd, file_offset = source if source is not None else (-1, 0)
         for pos in range(0, nbytes, DIGEST_CHUNK):
             n, at = min(DIGEST_CHUNK, nbytes - pos), offset + pos
-            if size + n > DIGEST_CHUNK or not end <= at <= end + READ_GAP:
+            if at + n - start > DIGEST_CHUNK or not end <= at <= end + READ_GAP:
                 tasks.append([])
-                size = 0
+                start = at
             tasks[-1].append((at, n, fd, file_offset + pos))
-            size, end = size + n, at + n
+            end = at + n
     return tasks
 
 

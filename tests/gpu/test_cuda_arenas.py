@@ -194,6 +194,44 @@ def test_fill_from_safetensors_is_bit_identical(backend: Any, uuid: str, checkpo
         arena.close()
 
 
+def test_verify_reads_back_and_compares_in_one_pass(backend: Any, uuid: str, checkpoint_dir: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """verify's pass over a CUDA arena (a pinned buffer per reader thread, memcmp against the files):
+    the digests are those of the same bytes in a host arena, and one changed file byte names
+    exactly that tensor."""
+    from wcd import loader
+    from wcd.arenas.host import HostArena
+    from wcd.checkpoint import Checkpoint, read_header
+    from wcd.loader import Progress, digest_arena, fill_arena, verify_arena
+
+    # 1 MiB pieces: b.big (6 MiB) spans several, the small tensors share tasks, readers regrow buffers.
+    monkeypatch.setattr(loader, "DIGEST_CHUNK", 1 * MiB)
+    d = tmp_path / "ckpt"
+    shutil.copytree(checkpoint_dir, d)
+    with Checkpoint.open(d) as ckpt:
+        manifest = ckpt.manifest()
+        arena = backend.create(uuid, backend.arena_size(manifest.size, uuid), "verify-test")
+        host = HostArena(manifest.size, "verify-test")
+        try:
+            for a in (arena, host):
+                fill_arena(a, ckpt, ckpt.copy_plan(manifest), Progress(ckpt.nbytes), workers=4)
+            want = digest_arena(host, manifest)
+            assert digest_arena(arena, manifest) == want
+            assert verify_arena(arena, manifest, ckpt) == (want, [])
+            shard = d / "model-00002-of-00002.safetensors"
+            [big] = [t for t in read_header(shard).tensors if t.name == "b.big"]
+            with open(shard, "r+b") as f:
+                f.seek(big.begin + 3 * MiB + 1)
+                byte = f.read(1)[0]
+                f.seek(big.begin + 3 * MiB + 1)
+                f.write(bytes([byte ^ 1]))
+            with Checkpoint.open(d) as changed:
+                assert verify_arena(arena, manifest, changed) == (want, ["b.big"])
+        finally:
+            arena.close()
+            host.close()
+
+
 def test_write_through_a_read_lease_faults_in_the_client_only(backend: Any, tmp_path: Path) -> None:
     n = 4 * MiB
     arena, data, _ = filled_arena(backend, tmp_path, n)
