@@ -259,6 +259,14 @@ def digest_arena(arena: Arena, manifest: Manifest) -> dict[str, str]:
     return digests
 
 
+def content_digest(digests: dict[str, str]) -> str:
+    """verify's `digest` of what is resident: sha256 over (name, NUL, per-tensor sha256) in name order."""
+    total = hashlib.sha256()
+    for name in sorted(digests):
+        total.update(name.encode() + b"\0" + bytes.fromhex(digests[name]))
+    return total.hexdigest()
+
+
 def verify_arena(arena: Arena, manifest: Manifest, checkpoint: Checkpoint) -> tuple[dict[str, str], list[str]]:
     """One pass over an arena and a checkpoint on disk (blocking): the arena's per-tensor content
     digest (as `digest_arena`), and the tensors that differ: bytes not equal to the checkpoint's

@@ -11,7 +11,6 @@ uid (never as a raw checkpoint), admins (`DaemonConfig.is_admin`) load, evict ot
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import inspect
 import logging
 import math
@@ -229,18 +228,14 @@ async def verify(ctx: Context, conn: Connection, req: protocol.Verify) -> None:
                    "wait for one to finish", {"limit": limit})
     ctx.verifying[conn.uid] += 1
     try:
-        actual, mismatched, source = await ctx.residency.verify(entry)
+        found = await ctx.residency.verify(entry)
     finally:
         ctx.verifying[conn.uid] -= 1
         if not ctx.verifying[conn.uid]:
             del ctx.verifying[conn.uid]
-    # The content digest of what is resident: sha256 over (name, per-tensor sha256) in name order.
-    total = hashlib.sha256()
-    for name in sorted(actual):
-        total.update(name.encode() + b"\0" + bytes.fromhex(actual[name]))
-    conn.send(protocol.ok(req.id, entry=entry.name, match=not mismatched, against=source,
-                          publisher_uid=entry.publisher, digest=total.hexdigest(), tensors=len(actual),
-                          mismatched=mismatched[:50]))
+    conn.send(protocol.ok(req.id, entry=entry.name, match=not found.mismatched, against=found.against,
+                          publisher_uid=entry.publisher, digest=found.digest, tensors=found.tensors,
+                          mismatched=found.mismatched[:50]))
 
 
 def _reserved_manifest(tensors: list[tuple[str, str, list[int]]] | protocol.TensorColumns, version: int) -> Manifest:

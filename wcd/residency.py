@@ -21,6 +21,7 @@ import os
 import time
 from collections.abc import Callable, Coroutine, Iterable
 from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -32,7 +33,7 @@ from wcd.config import Config, ModelConfig, format_size, parse_size
 from wcd.errors import BadRequest, Busy, DeviceUnavailable, LoadFailed, NotFound, WcdError
 from wcd.key import HOST_DEVICE, WeightCacheKey, fingerprint_unparsed
 from wcd.key import fingerprint as key_fingerprint
-from wcd.loader import Cancelled, default_workers, digest_arena, fill_arena, verify_arena
+from wcd.loader import Cancelled, content_digest, default_workers, digest_arena, fill_arena, verify_arena
 from wcd.manifest import Manifest
 from wcd.metrics import Metrics
 from wcd.state import ServerState
@@ -44,7 +45,21 @@ FILL_WORKERS = 4  # loads filling at once; each runs `load_workers` reader threa
 Spawn = Callable[[Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]
 T = TypeVar("T")
 Digests = dict[str, str]
-Verdict = tuple[Digests, list[str], str]  # (digests of what is resident, tensors that differ, against what)
+
+
+@dataclass(frozen=True, slots=True)
+class Verification:
+    """What `verify` found."""
+
+    digest: str  # the content digest of what is resident (`loader.content_digest`)
+    tensors: int
+    mismatched: list[str]  # sorted
+    against: str
+
+
+def _verification(actual: Digests, mismatched: list[str], against: str) -> Verification:
+    """(in a worker: for 10^5 tensors this takes a while)"""
+    return Verification(content_digest(actual), len(actual), mismatched, against)
 
 
 def device_budgets(config: Config) -> tuple[dict[str, int], dict[str, str]]:
@@ -73,7 +88,7 @@ class Residency:
         self._ready: dict[str, asyncio.Event] = {}  # entry name -> set when it leaves loading/filling
         # Published entries: the digest verify compares against, and what it was taken at.
         self._digests: dict[str, tuple[asyncio.Future[Digests], str]] = {}
-        self._verifying: dict[Entry, asyncio.Future[Verdict]] = {}  # shared by requests
+        self._verifying: dict[Entry, asyncio.Future[Verification]] = {}  # shared by requests
         self._committing: set[int] = set()  # fill leases whose commit is sealing
         self._checkpoints: dict[str, Checkpoint] = {}  # admitted, not yet filling
         self._parked: set[str] = set()  # entries whose fds sit in the fd store
@@ -248,11 +263,10 @@ class Residency:
 
     # -- verifying --------------------------------------------------------------------------
 
-    async def verify(self, entry: Entry) -> Verdict:
-        """(per-tensor digests of what is resident, the tensors that differ, against what): against
-        the digest taken at commit (or re-adoption) for published entries, the checkpoint on disk
-        for the others. Requests that arrive while one runs share its result: the resident bytes
-        are sealed."""
+    async def verify(self, entry: Entry) -> Verification:
+        """The content digest of what is resident and the tensors that differ: from the digest taken
+        at commit (or re-adoption) for published entries, from the checkpoint on disk for the
+        others. Requests that arrive while one runs share its result: the resident bytes are sealed."""
         entry = await self.wait_ready(entry, 24 * 3600)
         running = self._verifying.get(entry)
         if running is None:
@@ -265,7 +279,7 @@ class Residency:
             running.add_done_callback(done)
         return await asyncio.shield(running)
 
-    async def _verify(self, entry: Entry) -> Verdict:
+    async def _verify(self, entry: Entry) -> Verification:
         # The daemon's own hold on the arena while hashing: no heartbeats, so no expiry, and its
         # own owner, so it ends here whatever happens to the connections waiting for it.
         holder = object()
@@ -275,18 +289,21 @@ class Residency:
                 actual = await self._digest_arena(entry)
                 future, source = self._digests[entry.name]
                 expected = await asyncio.shield(future)
-                differ = sorted(n for n in actual.keys() | expected.keys() if actual.get(n) != expected.get(n))
-                return actual, differ, source
+
+                def compare() -> Verification:
+                    differ = sorted(n for n in actual.keys() | expected.keys() if actual.get(n) != expected.get(n))
+                    return _verification(actual, differ, source)
+
+                return await asyncio.to_thread(compare)
             if not Path(entry.key.path).exists():
                 raise NotFound(f"{entry.key.path} is gone: nothing to verify {entry.name!r} against")
             ckpt = await asyncio.to_thread(Checkpoint.open, entry.key.path, self._follow_links(entry.name))
             try:
                 # One pass: each worker reads a range of the arena and the same tensors' bytes from
                 # the files, compares them and hashes the arena's side only.
-                manifest = entry.manifest
-                actual, mismatched = await self._using(self._digest_pool, entry.arena,
-                                                       lambda arena: verify_arena(arena, manifest, ckpt))
-                return actual, mismatched, str(ckpt.path)
+                manifest, against = entry.manifest, str(ckpt.path)
+                return await self._using(self._digest_pool, entry.arena,
+                                         lambda arena: _verification(*verify_arena(arena, manifest, ckpt), against))
             finally:
                 ckpt.close()
         finally:
