@@ -205,7 +205,7 @@ class Daemon:
             if verify is not None:
                 start = time.perf_counter()
                 verify["match"] = c.verify(name)["match"]
-                verify["seconds"] = time.perf_counter() - start  # hashes the arena and the files
+                verify["seconds"] = time.perf_counter() - start  # reads the arena and the files, hashes the arena
             c.evict(name)
         return seconds
 
