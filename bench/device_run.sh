@@ -3,6 +3,7 @@
 #   bash bench/device_run.sh tests    GPU tests + multi-GPU run (needs 2+ GPUs for the latter)
 #   bash bench/device_run.sh bench    the 32 GB side-by-side benchmark
 #   bash bench/device_run.sh attach   attach benchmark (1k/10k/100k tensors), GPU tests, plugin bind
+#   bash bench/device_run.sh probe    load probe (fixed costs, warm/cold sweeps, hashes), restart, peers
 #   bash bench/device_run.sh final    GPU tests, load benchmark (warm and cold), attach benchmark
 # Logs and JSON land in $OUT (the device tool brings them back).
 set -u
@@ -40,6 +41,14 @@ getattr(m, 'driver', lambda: None)() and m.driver().gpus(); print('$mod', round(
       | tee "$OUT/load-h200.log" | tail -25
     timeout 150 python3 bench/bench_attach.py --device cuda:0 --dir /tmp --counts 1000,100000 \
       --out "$OUT/attach-h200-final.json" 2>&1 | tee "$OUT/attach-h200-final.log" | tail -8 ;;
+  probe)
+    timeout 330 python3 bench/probe_load.py --dir /tmp/wcd-bench-load --out "$OUT/probe.json" 2>&1 | tee "$OUT/probe.log"
+    python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from bench_load import write_checkpoint
+write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-100000'), int(1.6e9), 100000, 4)"
+    timeout 120 python3 bench/bench_restart.py --device cuda:0 --ckpt /tmp/wcd-bench-load/16gb-1000 \
+      --ckpt /tmp/wcd-bench-load/1.6gb-100000 2>&1 | tee "$OUT/restart.log" | tail -3
+    timeout 120 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --reps 1 \
+      --loaders fastsafetensors,instanttensor,runai 2>&1 | tee "$OUT/peers.log" | tail -4 ;;
   bench)
     timeout 560 python3 bench/bench_gpu.py --dir /tmp/wcd-bench-32 --size-gb "${2:-32}" --out "$OUT/bench_gpu.json" \
       2>&1 | tee "$OUT/bench_gpu.log" | grep -v "^\[bench\]" ;;

@@ -9,8 +9,10 @@ counter the event loop reads; cancellation is checked between chunks.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
+import mmap
 import os
 import threading
 from collections.abc import Callable
@@ -47,7 +49,48 @@ class Progress:
 
 
 def default_workers() -> int:
-    return max(2, min(8, (os.cpu_count() or 2) * 2))
+    """Loader threads per load: one per core, 4 to 16 (16 filled an H200 from the page cache at
+    46 GB/s, 8 at 44, 24 at 31; 4 on a 2-core VM kept host fills at the plain copy's rate)."""
+    return max(4, min(16, os.cpu_count() or 2))
+
+
+_RESIDENT = bytes(i & 1 for i in range(256))  # mincore: only the low bit of each byte is defined
+
+
+def cached_fraction(fd: int, windows: int = 256, window_pages: int = 16) -> float:
+    """About how much of the file `fd` is in the page cache now (0..1): mincore(2) over `windows`
+    evenly spaced windows of a mapping that is never touched (so a file truncated meanwhile cannot
+    fault); a whole 4 GB file would be a million pages to look up. 1.0 when it cannot tell."""
+    size = os.fstat(fd).st_size
+    if size == 0:
+        return 1.0
+    libc = _libc()
+    addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        return 1.0
+    try:
+        pages = -(-size // mmap.PAGESIZE)
+        span = min(window_pages, pages)
+        starts = sorted({i * (pages - span) // max(1, windows - 1) for i in range(windows)})
+        vec = (ctypes.c_ubyte * span)()
+        resident = 0
+        for page in starts:
+            if libc.mincore(addr + page * mmap.PAGESIZE, span * mmap.PAGESIZE, vec) != 0:
+                return 1.0
+            resident += bytes(vec).translate(_RESIDENT).count(1)
+        return resident / (span * len(starts))
+    finally:
+        libc.munmap(addr, size)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    return libc
 
 
 def fill_arena(
@@ -63,6 +106,8 @@ def fill_arena(
     """
     writer = arena.writer()
     try:
+        for fd in checkpoint.fds:
+            writer.hint(fd, cached_fraction(fd))
         failed = threading.Event()  # one failed chunk stops the others early
 
         def run(op: CopyOp) -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from wcd import parking, systemd
-from wcd.arenas import Arena, ArenaBackend, backend_for, is_gpu_device
+from wcd.arenas import Arena, ArenaBackend, backend_for, is_gpu_device, loaded_backends
 from wcd.cache import Entry, Lease, Origin, Retention
 from wcd.checkpoint import Checkpoint, open_files
 from wcd.config import Config, ModelConfig, format_size, parse_size
@@ -122,6 +122,7 @@ class Residency:
         """Open the checkpoint's shards (kept open until the fill ends), read their headers,
         fingerprint them through the same descriptors, and admit an entry (state loading)."""
         canonical = self.canonical_device(device)
+        self._prepare(canonical)
         ckpt = await asyncio.to_thread(Checkpoint.open, path, follow_links)
         try:
             # 100,000 tensors take a few hundred ms to lay out: off the loop, like the reads.
@@ -136,6 +137,15 @@ class Residency:
         self._ready[name] = asyncio.Event()
         self._checkpoints[name] = ckpt
         return entry
+
+    def _prepare(self, device: str) -> None:
+        """Start getting `device` ready (a GPU's context and pinned staging) while the checkpoint's
+        headers are read: most of a GPU load's fixed cost, overlapped. Failures show at the fill."""
+        backend = backend_for(device)
+        backend.configure(self.state.config.daemon.staging_linger_s)
+        workers = self.state.config.daemon.load_workers or default_workers()
+        future = asyncio.get_running_loop().run_in_executor(None, backend.prepare, device, workers)
+        future.add_done_callback(_quiet)
 
     def start_fill(self, entry: Entry) -> asyncio.Task[Entry]:
         """Fill an admitted entry in the background; the task ends when it is ready (or failed)."""
@@ -446,6 +456,11 @@ class Residency:
                 entry.arena.close()  # deferred while a worker holds it; its next read stops it
         for pool in (self._digest_pool, self._fill_pool):
             pool.shutdown(wait=False, cancel_futures=True)
+        for backend in loaded_backends():
+            try:
+                backend.release()  # lingering GPU contexts and staging; a fill still running keeps its own
+            except WcdError as e:
+                log.warning("releasing load staging: %s", e.message)
         return sum(1 for name in self._parked if name in self.cache.entries)
 
 

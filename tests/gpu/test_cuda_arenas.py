@@ -194,6 +194,65 @@ def test_fill_from_safetensors_is_bit_identical(backend: Any, uuid: str, checkpo
         arena.close()
 
 
+def test_staging_lingers_between_loads_and_cold_files_leave_the_page_cache(tmp_path: Path) -> None:
+    n = 40 * MiB + 12345  # several cold reads, the last one short
+    data = os.urandom(n)
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    out = run_child(f"""
+        import json, os, time
+        from cuda.bindings import driver as cuda
+        from wcd.arenas.cuda import CudaBackend, find_gpu
+        from wcd.loader import cached_fraction
+
+        def active():
+            return bool(cuda.cuDevicePrimaryCtxGetState(0)[2])
+
+        def load(b, fd, fraction):
+            a = b.create("cuda:0", b.arena_size({n}, "cuda:0"), "linger")
+            w = a.writer()
+            w.hint(fd, fraction)
+            w.copy_from_file(fd, 0, 0, {n})
+            w.close()
+            return a
+
+        fd = os.open({str(path)!r}, os.O_RDONLY)
+        os.fsync(fd)
+        res = {{}}
+        a = load(CudaBackend(linger_s=0), fd, 1.0)
+        res["active_after_unlingering_load"] = active()
+        a.close()
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        res["cached_before"] = cached_fraction(fd)
+        b = CudaBackend(linger_s=1.5)
+        a = load(b, fd, res["cached_before"])
+        res["cached_after_cold_load"] = cached_fraction(fd)
+        res["active_while_lingering"] = active()
+        staging = b.staging(find_gpu("cuda:0"))
+        res["pooled"] = len(staging._free)
+        res["lane_bytes"] = staging._free[0].nbytes
+        res["cold_bytes_ok"] = a.read(0, {n}) == open({str(path)!r}, "rb").read()
+        a.close()
+        a = load(b, fd, 1.0)  # warm, from the pooled lane
+        res["pooled_reused"] = len(staging._free)
+        res["warm_bytes_ok"] = a.read(0, {n}) == open({str(path)!r}, "rb").read()
+        a.close()
+        time.sleep(3)
+        res["active_after_linger"] = active()
+        print(json.dumps(res))
+    """)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout.splitlines()[-1])
+    print(f"[gpu-info] staging: {res}")
+    assert not res["active_after_unlingering_load"], "linger 0 kept the context"
+    assert res["cold_bytes_ok"] and res["warm_bytes_ok"]
+    assert res["active_while_lingering"] and res["pooled"] == 1 and res["pooled_reused"] == 1
+    assert res["lane_bytes"] == 16 * MiB, "a cold read did not grow the lane to large reads"
+    assert not res["active_after_linger"], "the context outlived staging_linger_s"
+    if res["cached_before"] < 0.02:  # the file system honours DONTNEED: the cold load must too
+        assert res["cached_after_cold_load"] < 0.1, "a cold load left the file in the page cache"
+
+
 def test_write_through_a_read_lease_faults_in_the_client_only(backend: Any, tmp_path: Path) -> None:
     n = 4 * MiB
     arena, data, _ = filled_arena(backend, tmp_path, n)

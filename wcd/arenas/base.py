@@ -45,6 +45,11 @@ class ArenaWriter(ABC):
             self.copy_from_file(fd, file_offset, arena_offset + rel, n)
             file_offset += n
 
+    def hint(self, fd: int, cached_fraction: float) -> None:
+        """How much of the file `fd` (0..1) is in the page cache, told before any copy from it;
+        writers may read cold files differently. This default ignores it."""
+        return None
+
     @abstractmethod
     def close(self) -> None:
         """Wait for outstanding copies and release staging resources."""
@@ -172,3 +177,16 @@ class ArenaBackend(ABC):
     @abstractmethod
     def adopt(self, fd: int, device: str, size: int, label: str) -> Arena:
         """Take over an exported arena fd (from systemd's fd store after a restart); validates it."""
+
+    def prepare(self, device: str, workers: int) -> None:
+        """Get `device` ready for a load about to start, `workers` threads wide (blocking; from a
+        thread). What it sets up lingers like a load's staging. This default has nothing to do."""
+        return None
+
+    def configure(self, linger_s: float) -> None:
+        """How long staging (and a GPU's context) stays after the last load; 0 releases it at once."""
+        return None
+
+    def release(self) -> None:
+        """Release lingering staging now (daemon shutdown)."""
+        return None
