@@ -49,6 +49,9 @@ def main() -> int:
                 times.append(time.perf_counter() - start)
                 systemd.stop()
             adopted = systemd.log.read_text().count("adopted ")
+        except BaseException:
+            print("".join(systemd.log.read_text().splitlines(keepends=True)[-40:]), file=sys.stderr)
+            raise
         finally:
             systemd.close()
     print(json.dumps({"exec_to_ready_s": times, "adopted": adopted, "checkpoints": [str(p) for p in args.ckpt]}))

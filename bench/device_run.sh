@@ -49,6 +49,16 @@ write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-100000'), int(1.6e9), 100000, 4
       --ckpt /tmp/wcd-bench-load/1.6gb-100000 2>&1 | tee "$OUT/restart.log" | tail -3
     timeout 120 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --reps 1 \
       --loaders fastsafetensors,instanttensor,runai 2>&1 | tee "$OUT/peers.log" | tail -4 ;;
+  check)  # GPU tests, the probe's fixed costs, a quick wcd-only load run, restart
+    timeout 200 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
+      | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|gpu-info\] staging" | cut -c1-400
+    timeout 60 python3 bench/probe_load.py --steps fixed --out "$OUT/probe-fixed.json" 2>&1 | tail -2
+    timeout 150 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 16:1000 --cold --reps 2 \
+      --loaders wcd --out "$OUT/load-check.json" 2>&1 | tee "$OUT/load-check.log" | tail -3
+    python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from bench_load import write_checkpoint
+write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-100000'), int(1.6e9), 100000, 4)"
+    timeout 150 python3 bench/bench_restart.py --device cuda:0 --ckpt /tmp/wcd-bench-load/16gb-1000 \
+      --ckpt /tmp/wcd-bench-load/1.6gb-100000 2>&1 | tee "$OUT/restart.log" | tail -45 ;;
   bench)
     timeout 560 python3 bench/bench_gpu.py --dir /tmp/wcd-bench-32 --size-gb "${2:-32}" --out "$OUT/bench_gpu.json" \
       2>&1 | tee "$OUT/bench_gpu.log" | grep -v "^\[bench\]" ;;
