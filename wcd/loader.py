@@ -18,6 +18,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import add
 from typing import Protocol
 
 from wcd import key
@@ -209,6 +211,6 @@ def digest_checkpoint(checkpoint: Checkpoint) -> dict[str, str]:
     """Per-tensor content digest of a checkpoint on disk, through its open descriptors (blocking)."""
     out: dict[str, str] = {}
     for h, fd in zip(checkpoint.headers, checkpoint.fds):
-        out.update(_digest_ranges(functools.partial(FileReader, fd),
-                                  [(t.name, t.begin, t.end - t.begin) for t in h.tensors]))
+        begins = map(add, repeat(h.data_start), h.begins)
+        out.update(_digest_ranges(functools.partial(FileReader, fd), list(zip(h.names, begins, h.sizes))))
     return out
