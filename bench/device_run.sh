@@ -59,6 +59,13 @@ write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-100000'), int(1.6e9), 100000, 4
 write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-100000'), int(1.6e9), 100000, 4)"
     timeout 150 python3 bench/bench_restart.py --device cuda:0 --ckpt /tmp/wcd-bench-load/16gb-1000 \
       --ckpt /tmp/wcd-bench-load/1.6gb-100000 2>&1 | tee "$OUT/restart.log" | tail -45 ;;
+  cold)  # cold read policies through the writer, then wcd against two peers, warm and cold
+    timeout 200 python3 bench/probe_load.py --steps coldfill --dir /tmp/wcd-bench-load --out "$OUT/probe-cold.json" \
+      2>&1 | grep -v "^{" | cut -c1-1500
+    timeout 300 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 16:1000 --cold --reps 1 \
+      --loaders wcd,fastsafetensors,runai --out "$OUT/load-cold.json" --daemon-log "$OUT/daemon.log" 2>&1 \
+      | tee "$OUT/load-cold.log" | grep -v verify | tail -8
+    grep -E "admitting|loaded" "$OUT/daemon.log" | cut -c1-300 ;;
   bench)
     timeout 560 python3 bench/bench_gpu.py --dir /tmp/wcd-bench-32 --size-gb "${2:-32}" --out "$OUT/bench_gpu.json" \
       2>&1 | tee "$OUT/bench_gpu.log" | grep -v "^\[bench\]" ;;

@@ -112,6 +112,46 @@ def warm_sweep(ckpt_dir: Path, configs: list[tuple[int, int, int]]) -> list[dict
     return out
 
 
+def cold_fills(ckpt_dir: Path, threads: int) -> list[dict[str, object]]:
+    """Fills through the daemon's CudaWriter after dropping the page cache, with each read policy
+    forced by its hint: warm (4 MiB reads), cold (16 MiB reads) dropping what it read, and cold keeping it."""
+    from wcd.arenas import cuda
+    from wcd.checkpoint import Checkpoint
+    from wcd.loader import cached_fraction
+
+    gpu = cuda.find_gpu("cuda:0")
+    cuda.retain_context(gpu)  # held across the fills: context creation is measured apart
+    backend = cuda.CudaBackend()
+    out = []
+    try:
+        for policy, fraction in (("warm reads", 1.0), ("cold, dropped", 0.0), ("cold, kept", 0.5)):
+            drop_caches()
+            with Checkpoint.open(ckpt_dir) as ckpt:
+                manifest = ckpt.manifest()
+                ops = ckpt.copy_plan(manifest)
+                arena = backend.create("cuda:0", manifest.size, "probe")
+                try:
+                    t = time.perf_counter()
+                    writer = arena.writer()
+                    for fd in ckpt.fds:
+                        writer.hint(fd, fraction)
+                    with ThreadPoolExecutor(threads) as pool:
+                        list(pool.map(functools.partial(_run_op, writer, ckpt.fds), ops))
+                    writer.close()
+                    seconds = time.perf_counter() - t
+                    after = sum(cached_fraction(fd) for fd in ckpt.fds) / len(ckpt.fds)
+                finally:
+                    arena.close()
+                row = {"policy": policy, "threads": threads, "seconds": seconds, "GBps": ckpt.nbytes / seconds / 1e9,
+                       "cached_after": after}
+            print(json.dumps(row), flush=True)
+            out.append(row)
+    finally:
+        backend.release()
+        cuda.release_context(gpu)
+    return out
+
+
 def _run_op(writer: Any, fds: tuple[int, ...], op: Any) -> None:
     if op.pieces:
         writer.copy_scattered(fds[op.shard], op.file_offset, op.arena_offset, op.nbytes, op.pieces)
@@ -251,7 +291,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", type=Path, default=Path("/tmp/wcd-bench-load"))
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--steps", default="fixed,hashes,d2h,register,warm,cold")
+    ap.add_argument("--steps", default="fixed,hashes,d2h,register,warm,cold,coldfill")
     args = ap.parse_args()
     steps = set(args.steps.split(","))
     result: dict[str, object] = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count()}
@@ -267,7 +307,7 @@ def main() -> int:
         print(name, round(time.perf_counter() - t, 1), "s:", json.dumps(result[name])[:2000], flush=True)
 
     d = args.dir / "16gb-1000"
-    files = write_checkpoint(d, int(16e9), 1000, 4) if steps & {"register", "warm", "cold"} else []
+    files = write_checkpoint(d, int(16e9), 1000, 4) if steps & {"register", "warm", "cold", "coldfill"} else []
     step("fixed", fixed_costs)
     step("hashes", hashes, os.cpu_count() or 2)
     step("d2h", lambda: {n: d2h(n) for n in (1, 4, 16)})
@@ -284,6 +324,7 @@ def main() -> int:
                                  (8, 16 << 20, True, False, False), (16, 16 << 20, True, False, False),
                                  (32, 16 << 20, True, False, False), (16, 64 << 20, True, False, True),
                                  (64, 4 << 20, True, False, True)]])
+    step("coldfill", lambda: cold_fills(d, 16))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
     return 0

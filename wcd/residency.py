@@ -123,10 +123,14 @@ class Residency:
         fingerprint them through the same descriptors, and admit an entry (state loading)."""
         canonical = self.canonical_device(device)
         self._prepare(canonical)
+        started = time.monotonic()
         ckpt = await asyncio.to_thread(Checkpoint.open, path, follow_links)
+        opened = time.monotonic()
         try:
             # 100,000 tensors take a few hundred ms to lay out: off the loop, like the reads.
             fingerprint, manifest = await asyncio.to_thread(lambda: (key_fingerprint(ckpt), ckpt.manifest()))
+            log.info("admitting %s: %d shards, headers read in %.3f s, fingerprint and layout %.3f s", name,
+                     len(ckpt.fds), opened - started, time.monotonic() - opened)
             key = WeightCacheKey(model=name, path=str(ckpt.path), fingerprint=fingerprint, device=canonical)
             nbytes = backend_for(canonical).arena_size(manifest.size, canonical)
             entry, victims = self.cache.admit(name, key, manifest, nbytes, retention, origin, publisher=os.getuid())
@@ -168,6 +172,7 @@ class Residency:
 
         try:
             entry.arena = await self._create(backend_for(entry.device), entry.device, entry.nbytes, entry.name)
+            allocated = time.monotonic()
             await self._using(self._fill_pool, entry.arena, fill)
         except BaseException as e:
             ckpt.close()
@@ -180,7 +185,8 @@ class Residency:
         ckpt.close()
         seconds = time.monotonic() - started
         self._metrics.loaded(entry.device, manifest.nbytes, seconds)
-        log.info("loaded %s in %.2f s (%.2f GB/s)", entry.name, seconds, manifest.nbytes / max(seconds, 1e-9) / 1e9)
+        log.info("loaded %s in %.2f s (%.2f GB/s; allocating %.3f s, copying %.3f s)", entry.name, seconds,
+                 manifest.nbytes / max(seconds, 1e-9) / 1e9, allocated - started, seconds - (allocated - started))
         self.reclaim(self.cache.loaded(entry))
         self._set_ready(entry)
         return entry
