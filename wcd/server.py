@@ -83,7 +83,7 @@ class Server:
             loop.add_signal_handler(sig, handler)
         self._spawn(self.residency.expire_leases())
         self._spawn(self._close_idle())
-        await self.residency.adopt_parked(self._parked_fds)
+        self.residency.adopt_parked(self._parked_fds)  # checked after READY, served once checked
         self._parked_fds = []
         # Admit configured models before serving, so an engine that connects at once waits for
         # its model instead of getting not_found; the copies themselves run in the background.
