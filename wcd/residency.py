@@ -77,6 +77,7 @@ class Residency:
         self._committing: set[int] = set()  # fill leases whose commit is sealing
         self._checkpoints: dict[str, Checkpoint] = {}  # admitted, not yet filling
         self._parked: set[str] = set()  # entries whose fds sit in the fd store
+        self._unchecked: list[tuple[Entry, parking.ParkedEntry]] = []  # adopted, for start_checks
         self._digest_pool = ThreadPoolExecutor(state.config.daemon.digest_workers, thread_name_prefix="wcd-digest")
         self._fill_pool = ThreadPoolExecutor(FILL_WORKERS, thread_name_prefix="wcd-fill")
 
@@ -378,7 +379,7 @@ class Residency:
         manifest's layout, and the arena fd (host: its seals and size; CUDA: import, no context).
         Each entry is then `loading`, charged to its budget under its name, so an engine that
         connects at once waits for it and the configured model is not loaded again from disk;
-        `_check_adopted` does the rest in the background."""
+        `start_checks` starts the rest, once READY is out."""
         groups: dict[str, dict[str, int]] = {}
         for fd, name in fds:
             stem, dot, suffix = name.rpartition(".")
@@ -395,9 +396,8 @@ class Residency:
                 if arena_fd is None or record_fd is None:
                     raise BadRequest("its arena or record is missing")
                 rec = parking.parse_record(record_fd)
-                entry = self._adopt(rec, arena_fd)
+                self._unchecked.append((self._adopt(rec, arena_fd), rec))
                 arena_fd = None  # the arena owns it now
-                self._spawn(self._check_adopted(entry, rec))
             except (WcdError, OSError) as e:
                 log.warning("fd store: dropping %s: %s", stem, getattr(e, "message", e))
                 for suffix in (parking.ARENA_SUFFIX, parking.RECORD_SUFFIX):
@@ -427,6 +427,13 @@ class Residency:
         self._ready[entry.name] = asyncio.Event()
         self._parked.add(entry.name)  # systemd still holds the fds: never store them twice
         return entry
+
+    def start_checks(self) -> None:
+        """Start checking the entries `adopt_parked` admitted, in the background. Called after READY:
+        started before, their worker threads' Python would compete with start-up's for the GIL."""
+        for entry, rec in self._unchecked:
+            self._spawn(self._check_adopted(entry, rec))
+        self._unchecked = []
 
     async def _check_adopted(self, entry: Entry, rec: parking.ParkedEntry) -> None:
         """After READY: validate the manifest's layout, re-fingerprint the checkpoint (a changed

@@ -260,10 +260,10 @@ def test_a_listener_under_any_name_is_the_listener_after_a_restart(tmp_path, soc
         assert harness.stop() == 0 and len(harness.store) == 2
         harness.start(cfg)
         with Client(harness.sock_path) as c:
+            with c.acquire("m") as lease:  # waits for the check that follows READY
+                assert same(lease.tensors["w"], tensors["w"])
             [entry] = c.list()
             assert entry["state"] == "ready"
-            with c.acquire("m") as lease:
-                assert same(lease.tensors["w"], tensors["w"])
         log = harness.log.read_text()
         assert "adopted" in log and "dropping unknown fd" not in log and "another daemon" not in log
         assert not (tmp_path / "unused.sock").exists()  # served on the passed socket, not its own
