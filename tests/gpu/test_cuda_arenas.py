@@ -8,6 +8,7 @@ that poisons the context, a SIGKILLed exporter, another device enumeration).
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import os
 import re
@@ -443,11 +444,15 @@ def test_adopt_a_parked_arena_fd_after_a_restart(backend: Any, tmp_path: Path) -
     arena.close()  # the old daemon is gone
     adopted = backend.adopt(parked, device, size, "adopted")
     try:
+        adopted.check_adopted()
         assert adopted.fd() == parked and adopted.size == size and adopted.read(0, n) == data
-        spare = os.dup(parked)
-        with pytest.raises(BadRequest, match="smaller than"):
-            backend.adopt(spare, device, size + 2 * MiB, "too-big")
-        os.close(spare)
+        # adopt() cannot tell a short allocation without a context; the check after READY does.
+        too_big = backend.adopt(os.dup(parked), device, size + 2 * MiB, "too-big")
+        try:
+            with pytest.raises(BadRequest, match="too-big: the arena is smaller than"):
+                too_big.check_adopted()
+        finally:
+            too_big.close()
     finally:
         adopted.close()
     out = run_child("""
@@ -463,6 +468,37 @@ def test_adopt_a_parked_arena_fd_after_a_restart(backend: Any, tmp_path: Path) -
     """)
     print(f"[gpu-info] adopt a memfd: {out.stdout.strip()!r}")
     assert out.stdout.startswith("BADREQUEST") and "not an exported CUDA arena" in out.stdout, out.stderr
+
+
+def test_adopting_an_arena_creates_no_cuda_context(backend: Any, tmp_path: Path) -> None:
+    """What the daemon does before READY after a restart (`adopt`) leaves the primary context
+    alone: creating it takes ~0.25 s on an H200. Only `check_adopted`, after READY, retains it,
+    and it releases it again (at once with staging_linger_s = 0)."""
+    n = MiB
+    arena, data, _ = filled_arena(backend, tmp_path, n)
+    fd, sha = os.dup(arena.fd()), hashlib.sha256(data).hexdigest()
+    code = f"""
+        import hashlib
+        from cuda.bindings import driver as cuda
+        from wcd.arenas.cuda import CudaBackend, find_gpu
+
+        def active():
+            err, flags, on = cuda.cuDevicePrimaryCtxGetState(find_gpu("{arena.device}").ordinal)
+            assert err == cuda.CUresult.CUDA_SUCCESS, err
+            return int(on)
+
+        adopted = CudaBackend(linger_s=0).adopt({fd}, "{arena.device}", {arena.size}, "adopted")
+        after_adopt = active()
+        adopted.check_adopted()
+        print("CTX", after_adopt, active(), hashlib.sha256(adopted.read(0, {n})).hexdigest() == "{sha}")
+    """
+    try:
+        out = run_child(code, pass_fds=(fd,))
+    finally:
+        os.close(fd)
+        arena.close()
+    print(f"[gpu-info] primary context active after adopt, after check_adopted, data: {out.stdout.strip()!r}")
+    assert out.returncode == 0 and out.stdout.strip() == "CTX 0 0 True", out.stderr
 
 
 def test_out_of_memory_is_one_clear_line(backend: Any, uuid: str) -> None:

@@ -146,6 +146,11 @@ class Arena(ABC):
         if now:
             self._release()
 
+    def check_adopted(self) -> None:  # noqa: B027 - does nothing unless a backend overrides it
+        """The part of `ArenaBackend.adopt`'s validation too slow for start-up (CUDA: it needs a
+        context); run in a worker after READY and before the arena is served. `BadRequest` if the
+        arena is not what its record says. Backends whose `adopt` checks everything do nothing."""
+
     def reader(self) -> ArenaReader:
         """A reader with its own reusable buffer, for one thread (used by `verify`, under `in_use`)."""
         return ArenaReader(self)
@@ -176,7 +181,8 @@ class ArenaBackend(ABC):
 
     @abstractmethod
     def adopt(self, fd: int, device: str, size: int, label: str) -> Arena:
-        """Take over an exported arena fd (from systemd's fd store after a restart); validates it."""
+        """Take over an exported arena fd (from systemd's fd store after a restart) and validate
+        what can be checked in microseconds; `Arena.check_adopted` does the rest."""
 
     def prepare(self, device: str, workers: int) -> None:
         """Get `device` ready for a load about to start, `workers` threads wide (blocking; from a

@@ -467,8 +467,9 @@ class CudaReader(ArenaReader):
 class CudaArena(Arena):
     kind = "cuda"
 
-    def __init__(self, gpu: Gpu, size: int, handle: Any, fd: int, staging: Staging) -> None:
+    def __init__(self, gpu: Gpu, size: int, handle: Any, fd: int, staging: Staging, label: str) -> None:
         """Owns `handle` (an allocation handle) and `fd` (its exported POSIX fd) from now on."""
+        self.label = label  # the entry's name, for messages
         self.device = gpu.uuid
         self.size = size
         self._gpu = gpu
@@ -487,6 +488,21 @@ class CudaArena(Arena):
 
     def seal(self) -> None:
         """Nothing to do: readers map CUDA arenas read-only (CU_MEM_ACCESS_FLAGS_PROT_READ)."""
+
+    def check_adopted(self) -> None:
+        """An adopted allocation holds at least `size` bytes: no size query exists for a handle, and
+        mapping `size` bytes fails if it is smaller. Mapping needs a context: the GPU's staging
+        context (`Staging.open`), so the checks of every entry re-adopted on one GPU, and the loads
+        after them, create it once; it lingers like a load's."""
+        ctx = self._staging.open()
+        try:
+            with current(ctx):
+                VaMapping(self._handle, self._gpu, self.size, writable=False).close()
+        except Internal as e:
+            raise BadRequest(f"{self.label}: the arena is smaller than the {self.size} bytes its record says "
+                             f"({e})") from None
+        finally:
+            self._staging.close()
 
     def _source(self, offset: int, nbytes: int) -> tuple[Any, int]:
         """(context, device address) of an arena range for reading. The first call maps the arena
@@ -594,11 +610,13 @@ class CudaBackend(ArenaBackend):
         except BaseException:
             cuda.cuMemRelease(handle)
             raise
-        return CudaArena(gpu, size, handle, fd, self.staging(gpu))
+        return CudaArena(gpu, size, handle, fd, self.staging(gpu), label)
 
     def adopt(self, fd: int, device: str, size: int, label: str) -> CudaArena:
         """Take over an exported arena fd (systemd's fd store after a restart). Checks that it is a
-        CUDA allocation on `device` holding at least `size` bytes; the fd is left open on failure."""
+        CUDA allocation on `device`, without a CUDA context (retaining one creates it: ~0.25 s on an
+        H200, which the daemon must not spend before READY); whether it holds `size` bytes is
+        `CudaArena.check_adopted`'s question. The fd is left open on failure."""
         gpu = find_gpu(device)
         try:
             handle = _check(cuda.cuMemImportFromShareableHandle(fd, POSIX_FD), "cuMemImportFromShareableHandle")
@@ -608,19 +626,10 @@ class CudaBackend(ArenaBackend):
             prop = _check(cuda.cuMemGetAllocationPropertiesFromHandle(handle), "cuMemGetAllocationPropertiesFromHandle")
             if prop.location.id != gpu.ordinal:
                 raise BadRequest(f"{label}: the arena lives on cuda:{prop.location.id}, its record says {gpu.label}")
-            # No size query exists for a handle: mapping `size` bytes fails if the allocation is smaller.
-            ctx = retain_context(gpu)
-            try:
-                with current(ctx):
-                    VaMapping(handle, gpu, size, writable=False).close()
-            except Internal as e:
-                raise BadRequest(f"{label}: the arena is smaller than the {size} bytes its record says ({e})") from None
-            finally:
-                release_context(gpu)
         except BaseException:
             cuda.cuMemRelease(handle)
             raise
-        return CudaArena(gpu, size, handle, fd, self.staging(gpu))
+        return CudaArena(gpu, size, handle, fd, self.staging(gpu), label)
 
     def info(self, device: str) -> DeviceInfo:
         """Device memory from NVML when cuda-bindings ships it (no CUDA context in the daemon); else
