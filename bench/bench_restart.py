@@ -1,6 +1,7 @@
 """Restart benchmark (issue 14 item 3): `wcd serve` from exec to READY=1 with entries re-adopted
 from the fd store, under the test suite's stand-in for systemd (socket activation, NOTIFY_SOCKET,
-FDSTORE). Loads the checkpoints once, restarts `--restarts` times and reports each exec -> READY.
+FDSTORE). Loads the checkpoints once, restarts `--restarts` times and reports each exec -> READY,
+and exec -> every entry ready to serve (re-adopted entries are checked after READY).
 
     python bench/bench_restart.py --ckpt /tmp/wcd-bench-load/1.6gb-1000 [--ckpt DIR ...] [--device cpu]
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.integration.test_systemd_harness import FakeSystemd  # noqa: E402
+from wcd.client import Client  # noqa: E402
 
 
 def main() -> int:
@@ -42,16 +44,24 @@ def main() -> int:
                     log.seek(0)
             time.sleep(0.5)  # parked
             systemd.stop()
-            times = []
+            times, served = [], []
             for _ in range(args.restarts):
                 start = time.perf_counter()
                 systemd.start(cfg)  # returns at READY=1
                 times.append(time.perf_counter() - start)
+                with Client(systemd.sock_path) as c:
+                    while [e["state"] for e in c.list()] != ["ready"] * len(args.ckpt):
+                        time.sleep(0.002)
+                served.append(time.perf_counter() - start)
                 systemd.stop()
             adopted = systemd.log.read_text().count("adopted ")
+        except BaseException:
+            print("".join(systemd.log.read_text().splitlines(keepends=True)[-40:]), file=sys.stderr)
+            raise
         finally:
             systemd.close()
-    print(json.dumps({"exec_to_ready_s": times, "adopted": adopted, "checkpoints": [str(p) for p in args.ckpt]}))
+    print(json.dumps({"exec_to_ready_s": times, "exec_to_served_s": served, "adopted": adopted,
+                      "checkpoints": [str(p) for p in args.ckpt]}))
     return 0
 
 

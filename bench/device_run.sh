@@ -3,7 +3,11 @@
 #   bash bench/device_run.sh tests    GPU tests + multi-GPU run (needs 2+ GPUs for the latter)
 #   bash bench/device_run.sh bench    the 32 GB side-by-side benchmark
 #   bash bench/device_run.sh attach   attach benchmark (1k/10k/100k tensors), GPU tests, plugin bind
-#   bash bench/device_run.sh final    GPU tests, load benchmark (warm and cold), attach benchmark
+#   bash bench/device_run.sh probe    load probe (fixed costs, warm/cold sweeps, hashes), restart, peers
+#   bash bench/device_run.sh final    GPU tests, fixed costs, restart, 16 GB load benchmark (all loaders, warm and cold)
+#   bash bench/device_run.sh small    1.6 GB load benchmarks, 1,000 and 100,000 tensors
+#   bash bench/device_run.sh check    GPU tests, fixed costs, a wcd-only 16 GB load, restart
+#   bash bench/device_run.sh cold     cold read policies through the writer; wcd against two peers
 # Logs and JSON land in $OUT (the device tool brings them back).
 set -u
 cd "$(dirname "$0")/.."
@@ -32,14 +36,49 @@ getattr(m, 'driver', lambda: None)() and m.driver().gpus(); print('$mod', round(
     timeout 170 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
       | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" | cut -c1-300
     timeout 60 python3 bench/bind_gpu.py --dir /tmp/wcd-bind 2>&1 | tee "$OUT/bind-gpu.log" | tail -8 ;;
-  final)
-    timeout 150 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
-      | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" | cut -c1-300
-    timeout 240 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 16:1000 \
-      --ckpt 1.6:100000 --cold --reps 1 --loaders wcd,safetensors,runai --out "$OUT/load-h200.json" 2>&1 \
-      | tee "$OUT/load-h200.log" | tail -25
-    timeout 150 python3 bench/bench_attach.py --device cuda:0 --dir /tmp --counts 1000,100000 \
-      --out "$OUT/attach-h200-final.json" 2>&1 | tee "$OUT/attach-h200-final.log" | tail -8 ;;
+  final)  # GPU tests, fixed costs, restart, then the 16 GB side-by-side load run (warm twice, cold)
+    timeout 200 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
+      | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|gpu-info\] (staging|primary)" | cut -c1-400
+    timeout 60 python3 bench/probe_load.py --steps fixed,hashes,d2h --out "$OUT/probe-fixed.json" 2>&1 | cut -c1-700
+    python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from bench_load import write_checkpoint
+write_checkpoint(Path('/tmp/wcd-bench-load/16gb-1000'), int(16e9), 1000, 4)
+write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-100000'), int(1.6e9), 100000, 4)"
+    timeout 150 python3 bench/bench_restart.py --device cuda:0 --ckpt /tmp/wcd-bench-load/16gb-1000 \
+      --ckpt /tmp/wcd-bench-load/1.6gb-100000 2>&1 | tee "$OUT/restart.log" | tail -5
+    timeout 330 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 16:1000 --cold --reps 2 \
+      --out "$OUT/load-16gb.json" --daemon-log "$OUT/daemon-16gb.log" 2>&1 | tee "$OUT/load-16gb.log" \
+      | grep -v '"wcd_verify"' | cut -c1-400 | tail -12
+    grep -E "admitting|loaded" "$OUT/daemon-16gb.log" | cut -c1-300 ;;
+  small)  # the 1.6 GB side-by-side load runs: 1,000 and 100,000 tensors, warm twice and cold
+    timeout 500 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 \
+      --ckpt 1.6:100000 --cold --reps 2 --out "$OUT/load-small.json" --daemon-log "$OUT/daemon-small.log" 2>&1 \
+      | tee "$OUT/load-small.log" | grep -v '"wcd_verify"' | cut -c1-400 | tail -24
+    grep -E "admitting|loaded" "$OUT/daemon-small.log" | cut -c1-300 ;;
+  probe)
+    timeout 330 python3 bench/probe_load.py --dir /tmp/wcd-bench-load --out "$OUT/probe.json" 2>&1 | tee "$OUT/probe.log"
+    python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from bench_load import write_checkpoint
+write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-100000'), int(1.6e9), 100000, 4)"
+    timeout 120 python3 bench/bench_restart.py --device cuda:0 --ckpt /tmp/wcd-bench-load/16gb-1000 \
+      --ckpt /tmp/wcd-bench-load/1.6gb-100000 2>&1 | tee "$OUT/restart.log" | tail -3
+    timeout 120 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --reps 1 \
+      --loaders fastsafetensors,instanttensor,runai 2>&1 | tee "$OUT/peers.log" | tail -4 ;;
+  check)  # GPU tests, the probe's fixed costs, a quick wcd-only load run, restart
+    timeout 200 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
+      | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|gpu-info\] staging" | cut -c1-400
+    timeout 60 python3 bench/probe_load.py --steps fixed --out "$OUT/probe-fixed.json" 2>&1 | tail -2
+    timeout 150 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 16:1000 --cold --reps 2 \
+      --loaders wcd --out "$OUT/load-check.json" 2>&1 | tee "$OUT/load-check.log" | tail -3
+    python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from bench_load import write_checkpoint
+write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-100000'), int(1.6e9), 100000, 4)"
+    timeout 150 python3 bench/bench_restart.py --device cuda:0 --ckpt /tmp/wcd-bench-load/16gb-1000 \
+      --ckpt /tmp/wcd-bench-load/1.6gb-100000 2>&1 | tee "$OUT/restart.log" | tail -45 ;;
+  cold)  # cold read policies through the writer, then wcd against two peers, warm and cold
+    timeout 200 python3 bench/probe_load.py --steps coldfill --dir /tmp/wcd-bench-load --out "$OUT/probe-cold.json" \
+      2>&1 | grep -v "^{" | cut -c1-1500
+    timeout 300 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 16:1000 --cold --reps 1 \
+      --loaders wcd,fastsafetensors,runai --out "$OUT/load-cold.json" --daemon-log "$OUT/daemon.log" 2>&1 \
+      | tee "$OUT/load-cold.log" | grep -v verify | tail -8
+    grep -E "admitting|loaded" "$OUT/daemon.log" | cut -c1-300 ;;
   bench)
     timeout 560 python3 bench/bench_gpu.py --dir /tmp/wcd-bench-32 --size-gb "${2:-32}" --out "$OUT/bench_gpu.json" \
       2>&1 | tee "$OUT/bench_gpu.log" | grep -v "^\[bench\]" ;;

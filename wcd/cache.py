@@ -6,8 +6,9 @@ never touches. Operations that free memory return the entries they dropped; the 
 
 - An entry is admitted against its device's budget, evicting least-recently-used candidates
   (`cached`/`ephemeral`, `ready`, no leases) if needed; otherwise `OutOfMemory`.
-- States: `loading` (daemon fills it) or `filling` (a client fills it under a fill lease) ->
-  `ready` -> `evicting` (asked to go while leased; dropped when the last lease ends).
+- States: `loading` (daemon fills it, or checks one it re-adopted after a restart) or `filling`
+  (a client fills it under a fill lease) -> `ready` -> `evicting` (asked to go while leased;
+  dropped when the last lease ends).
 - A lease lives until released, expired (no heartbeat within the TTL) or its owner (the
   connection) goes away. A fill lease that ends before commit drops its entry at once.
 - `ephemeral` entries are dropped when their last read lease ends.
@@ -165,9 +166,10 @@ class Cache:
 
     def admit(
         self, name: str, key: WeightCacheKey, manifest: Manifest, nbytes: int, retention: Retention,
-        origin: Origin, publisher: int | None = None,
+        origin: Origin, publisher: int | None = None, adopted: bool = False,
     ) -> tuple[Entry, list[Entry]]:
         """Create an entry (state `loading`, or `filling` for publishes) charged to its device.
+        `adopted`: its arena survived a restart and the daemon checks it (`loading` whatever its origin).
 
         Returns the entry and the entries evicted to make room. Raises `Busy` if the name or key
         is taken, `OutOfMemory` if the budget cannot fit it even after eviction.
@@ -184,7 +186,7 @@ class Cache:
             raise BadRequest(f"device {device!r} is not managed by this daemon (devices: {', '.join(self.budgets)})")
         victims = self._make_room(device, nbytes)
         now = self.clock()
-        state: State = "filling" if origin == "publish" else "loading"
+        state: State = "filling" if origin == "publish" and not adopted else "loading"
         entry = Entry(name, key, manifest, nbytes, retention, origin, state, now, now, publisher=publisher)
         self.entries[name] = entry
         self._by_key[key] = entry

@@ -9,14 +9,23 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import pwd
 import stat
+from array import array
+from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
+from itertools import chain, compress, count, islice, repeat
+from operator import add, ge, itemgetter, le, mul, ne, sub
 from pathlib import Path
+from typing import Any, NoReturn
 
 from wcd.errors import LoadFailed, WcdError
-from wcd.manifest import Manifest, tensor_nbytes
+from wcd.gcpause import gc_paused
+from wcd.manifest import DTYPE_CODES, DTYPES, ITEMSIZES, MAX_DIM, MAX_NDIM, Manifest, check_overlaps, tensor_nbytes
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
 SAMPLE_BYTES = 4096
@@ -36,11 +45,33 @@ class StoredTensor:
 
 @dataclass(frozen=True)
 class Header:
+    """One shard's header, its tensors as columns in file order (stable by data offset).
+
+    `begins` and `ends` are offsets into the data section (the header's `data_offsets`; the
+    file offset is `data_start` plus them), `sizes` their differences; `shapes` holds the shard's
+    distinct shapes and `shape_ids` each tensor's index into it; `dtype_codes` index `DTYPES`.
+    """
+
     file: Path
     raw: bytes
     data_start: int
     file_size: int
-    tensors: tuple[StoredTensor, ...]
+    names: tuple[str, ...]
+    dtype_codes: bytes
+    shapes: tuple[tuple[int, ...], ...]
+    shape_ids: array[int]
+    begins: list[int]
+    ends: list[int]
+    sizes: list[int]
+
+    @cached_property
+    def tensors(self) -> tuple[StoredTensor, ...]:
+        """One `StoredTensor` per tensor, in file order (for tools and tests: loads use the columns)."""
+        dtypes = map(DTYPES.__getitem__, self.dtype_codes)
+        shapes = map(self.shapes.__getitem__, self.shape_ids)
+        base = repeat(self.data_start)
+        return tuple(map(StoredTensor, self.names, dtypes, shapes, map(add, base, self.begins),
+                         map(add, base, self.ends)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,17 +119,77 @@ def parse_header(fd: int, file: Path) -> Header:
         raw = _pread_all(fd, n, 8)
     except OSError as e:
         raise LoadFailed(f"{file}: cannot read: {e.strerror}") from None
+    # A million small objects that form no cycles: collections would cost as much as the parse.
+    # They are all freed when `_parse` returns, before the collector is back and would walk them.
+    with gc_paused():
+        return _parse(file, raw, 8 + n, file_size)
+
+
+def _parse(file: Path, raw: bytes, data_start: int, file_size: int) -> Header:
     try:
         doc = json.loads(raw)
     except (ValueError, RecursionError) as e:  # bad JSON, bad UTF-8, absurd integers, deep nesting
         raise LoadFailed(f"{file}: safetensors header is not valid JSON ({str(e)[:200]})") from None
     if not isinstance(doc, dict):
         raise LoadFailed(f"{file}: safetensors header is not a JSON object")
-    data_start = 8 + n
-    tensors = []
+    doc.pop("__metadata__", None)
+    columns = _columns(doc, file_size - data_start)
+    if columns is None:
+        _refuse_entries(file, doc, file_size - data_start)
+    names, codes, shapes, ids, begins, ends, sizes = columns
+    try:
+        check_overlaps(names, begins, sizes, ends)
+    except WcdError as bad:
+        raise LoadFailed(f"{file}: {bad.message} (data_offsets)") from None
+    return Header(file, raw, data_start, file_size, names, codes, shapes, ids, begins, ends, sizes)
+
+
+_Columns = tuple[tuple[str, ...], bytes, tuple[tuple[int, ...], ...], "array[int]", list[int], list[int], list[int]]
+
+
+def _columns(doc: dict[str, Any], data_size: int) -> _Columns | None:
+    """The header's entries as columns sorted by data offset, or None if any entry is not a valid
+    tensor within `data_size` bytes of data. Checked in bulk (C-level passes over each column, one
+    Python step per distinct shape), never a Python step per tensor; `_refuse_entries` names the
+    first bad entry."""
+    infos = list(doc.values())
+    if not infos:
+        return (), b"", (), array("I"), [], [], []
+    # Each pass raises (or its check fails) exactly where `_refuse_entries` finds a bad entry: an
+    # entry that is not an object, a missing key, an unknown or unhashable dtype, a shape that
+    # does not iterate to exact ints (`tuple()` of "" or {} is a scalar shape there too), data
+    # offsets that are not a pair of exact ints matching the size, data past the end.
+    try:
+        codes = bytes(map(DTYPE_CODES.__getitem__, map(itemgetter("dtype"), infos)))
+        shape_lists = list(map(itemgetter("shape"), infos))
+        offsets = list(map(itemgetter("data_offsets"), infos))
+        if set(map(type, chain.from_iterable(shape_lists))) - {int} or set(map(len, offsets)) != {2}:
+            return None  # exactly int: 1.0 and True would pass for 1 in the dict of shapes below
+        begins = list(map(itemgetter(0), offsets))
+        ends = list(map(itemgetter(1), offsets))
+    except (KeyError, TypeError, IndexError):
+        return None
+    tuples = list(map(tuple, shape_lists))
+    shapes = tuple(dict.fromkeys(tuples))
+    if any(len(s) > MAX_NDIM or (s and (min(s) < 0 or max(s) > MAX_DIM)) for s in shapes):
+        return None
+    ids = array("I", map(dict(zip(shapes, count())).__getitem__, tuples))
+    numels = list(map(math.prod, shapes))
+    sizes = list(map(mul, map(numels.__getitem__, ids), map(ITEMSIZES.__getitem__, codes)))
+    if set(map(type, begins)) != {int} or set(map(type, ends)) != {int} or min(begins) < 0 \
+            or list(map(sub, ends, begins)) != sizes or max(ends) > data_size:
+        return None
+    names = tuple(doc)
+    if not all(map(le, begins, islice(begins, 1, None))):  # safetensors writes them in order; others may not
+        pick = itemgetter(*sorted(range(len(begins)), key=begins.__getitem__))  # stable: ties keep header order
+        names, codes, ids = tuple(pick(names)), bytes(pick(codes)), array("I", pick(ids))
+        begins, ends, sizes = list(pick(begins)), list(pick(ends)), list(pick(sizes))
+    return names, codes, shapes, ids, begins, ends, sizes
+
+
+def _refuse_entries(file: Path, doc: dict[str, Any], data_size: int) -> NoReturn:
+    """Raise the error of the first header entry (in header order) that is not a valid tensor."""
     for name, info in doc.items():
-        if name == "__metadata__":
-            continue
         try:
             dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
             nbytes = tensor_nbytes(name, dtype, shape)
@@ -108,18 +199,9 @@ def parse_header(fd: int, file: Path) -> Header:
             raise LoadFailed(f"{file}: tensor {name!r} has a malformed header entry") from None
         if type(begin) is not int or type(end) is not int or not 0 <= begin <= end or end - begin != nbytes:
             raise LoadFailed(f"{file}: tensor {name!r}: data_offsets {[begin, end]} do not match dtype and shape")
-        if data_start + end > file_size:
+        if end > data_size:
             raise LoadFailed(f"{file}: tensor {name!r} extends past the end of the file (truncated?)")
-        tensors.append(StoredTensor(name, dtype, shape, data_start + begin, data_start + end))
-    tensors.sort(key=lambda t: t.begin)
-    reach: StoredTensor | None = None  # the tensor with data reaching furthest so far
-    for t in tensors:  # no two tensors with data may share a byte (safetensors refuses that too)
-        if t.end > t.begin:
-            if reach is not None and t.begin < reach.end:
-                raise LoadFailed(f"{file}: tensors {reach.name!r} and {t.name!r} overlap (data_offsets)")
-            if reach is None or t.end > reach.end:
-                reach = t
-    return Header(file, raw, data_start, file_size, tuple(tensors))
+    raise AssertionError(f"{file}: the bulk header check refused what the per-entry one accepts")
 
 
 def _pread_all(fd: int, n: int, offset: int) -> bytes:
@@ -280,12 +362,13 @@ class Checkpoint:
         files = open_files(p, follow_links, owner_check)
         try:
             headers = tuple(parse_header(fd, file) for file, fd in files)
-            names: set[str] = set()
-            for h in headers:
-                for t in h.tensors:
-                    if t.name in names:
-                        raise LoadFailed(f"{p}: tensor {t.name!r} appears in more than one shard")
-                    names.add(t.name)
+            if len(headers) > 1 and len(set(chain.from_iterable(h.names for h in headers))) != \
+                    sum(len(h.names) for h in headers):
+                names: set[str] = set()
+                for name in chain.from_iterable(h.names for h in headers):  # the first duplicate, in load order
+                    if name in names:
+                        raise LoadFailed(f"{p}: tensor {name!r} appears in more than one shard")
+                    names.add(name)
             return cls(p, headers, tuple(fd for _, fd in files))
         except BaseException:
             for _, fd in files:
@@ -309,7 +392,15 @@ class Checkpoint:
 
     def manifest(self) -> Manifest:
         """Arena layout: shards in name order, tensors in file order (sequential reads)."""
-        return Manifest.build((t.name, t.dtype, t.shape) for h in self.headers for t in h.tensors)
+        headers = self.headers
+        index: dict[tuple[int, ...], int] = {}  # the checkpoint's distinct shapes
+        ids = array("I")
+        for h in headers:
+            local = [index.setdefault(s, len(index)) for s in h.shapes]
+            ids.extend(h.shape_ids if local == list(range(len(local))) else map(local.__getitem__, h.shape_ids))
+        return Manifest.from_columns(tuple(chain.from_iterable(h.names for h in headers)),
+                                     b"".join(h.dtype_codes for h in headers), tuple(index), ids,
+                                     list(chain.from_iterable(h.sizes for h in headers)))
 
     def copy_plan(self, manifest: Manifest, chunk: int = 64 << 20, batch: int = BATCH_BYTES) -> list[CopyOp]:
         """Reads that fill an arena of `manifest`, in file order.
@@ -318,41 +409,43 @@ class Checkpoint:
         Runs of smaller tensors that lie back to back in the file become one op each, of at most
         `batch` arena bytes and `MAX_PIECES` tensors: one read of the whole file range, scattered
         into the arena layout (which pads each tensor to 256 bytes), and one write. Per-tensor work
-        is then a slice, not a syscall or a queued task: 100,000 16 KiB tensors make ~400 ops.
+        is then a slice, not a syscall or a queued task: 100,000 16 KiB tensors make ~400 ops. The
+        plan is found with C-level passes over the columns and a Python step per op.
         """
         offsets = manifest.offsets  # the manifest lists tensors in this very order (`manifest`)
-        if len(offsets) != sum(len(h.tensors) for h in self.headers):
+        if len(offsets) != sum(len(h.names) for h in self.headers):
             raise ValueError("copy_plan needs the manifest of this checkpoint")
         ops: list[CopyOp] = []
         i = 0
         for shard, h in enumerate(self.headers):
-            run: list[tuple[StoredTensor, int]] = []
-            for t in h.tensors:
-                at, n = offsets[i], t.end - t.begin
-                i += 1
-                if n == 0:
+            n = len(h.names)
+            begins, ends, sizes = h.begins, h.ends, h.sizes
+            ats: Sequence[int] = offsets[i : i + n]
+            i += n
+            if 0 in sizes:  # zero-size tensors need no read and break no run
+                begins, ends, ats, sizes = (list(compress(c, h.sizes)) for c in (begins, ends, ats, sizes))
+            m, start = len(sizes), h.data_start
+            # Runs break where the file has a gap and around tensors of `batch` bytes or more.
+            big = list(compress(range(m), map(ge, sizes, repeat(batch))))
+            gaps = compress(range(1, m), map(ne, islice(begins, 1, None), ends))
+            cuts = sorted({0, m, *gaps, *big, *(k + 1 for k in big)})
+            arena_ends = list(map(add, ats, sizes))  # increasing: the layout follows file order
+            for s, e in zip(cuts, cuts[1:]):
+                if sizes[s] >= batch:
+                    at, size, first = ats[s], sizes[s], start + begins[s]
+                    ops.extend(CopyOp(shard, first + pos, at + pos, min(chunk, size - pos))
+                               for pos in range(0, size, chunk))
                     continue
-                if run and (n >= batch or t.begin != run[-1][0].end or len(run) == MAX_PIECES
-                            or at + n - run[0][1] > batch):
-                    ops.append(_run_op(shard, run))
-                    run = []
-                if n >= batch:
-                    ops.extend(CopyOp(shard, t.begin + pos, at + pos, min(chunk, n - pos))
-                               for pos in range(0, n, chunk))
-                else:
-                    run.append((t, at))
-            if run:
-                ops.append(_run_op(shard, run))
+                while s < e:  # greedy: as many tensors as `batch` arena bytes and MAX_PIECES allow
+                    j = min(bisect_right(arena_ends, ats[s] + batch, s, e), s + MAX_PIECES)
+                    base = ats[s]
+                    span = arena_ends[j - 1] - base
+                    pieces = () if span == ends[j - 1] - begins[s] else \
+                        tuple(zip(map(sub, ats[s:j], repeat(base)), sizes[s:j]))
+                    ops.append(CopyOp(shard, start + begins[s], base, span, pieces))
+                    s = j
         return ops
 
     @property
     def nbytes(self) -> int:
-        return sum(t.end - t.begin for h in self.headers for t in h.tensors)
-
-
-def _run_op(shard: int, run: list[tuple[StoredTensor, int]]) -> CopyOp:
-    """One op for tensors back to back in a file: direct if the arena has no padding between them."""
-    base = run[0][1]
-    pieces = tuple((at - base, t.end - t.begin) for t, at in run)
-    span = pieces[-1][0] + pieces[-1][1]
-    return CopyOp(shard, run[0][0].begin, base, span, () if span == run[-1][0].end - run[0][0].begin else pieces)
+        return sum(sum(h.sizes) for h in self.headers)

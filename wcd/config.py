@@ -128,6 +128,9 @@ class DaemonConfig(BaseModel):
     trusted_publishers: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=1024)] = []
     budget: dict[str, Size] = {}
     load_workers: Annotated[int, Field(ge=1, le=256)] | None = None
+    # Seconds a GPU's CUDA context and pinned staging stay after its last load, for the next one
+    # (0: released at once; inf: kept while the daemon runs, a context's memory on each GPU).
+    staging_linger_s: Annotated[float, Field(ge=0)] = 30.0
     # Entries hashed at once (verify, the digest after a commit), 1..64; others queue in their own
     # pool, never in front of short work (allocations, seals, manifests). Read at start-up.
     digest_workers: Annotated[int, Field(ge=1, le=64)] = 2

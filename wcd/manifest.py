@@ -40,7 +40,7 @@ DTYPE_SIZES: dict[str, int] = {
 }
 DTYPES: tuple[str, ...] = tuple(DTYPE_SIZES)
 ITEMSIZES: tuple[int, ...] = tuple(DTYPE_SIZES.values())
-_CODE = {d: i for i, d in enumerate(DTYPES)}
+DTYPE_CODES: dict[str, int] = {d: i for i, d in enumerate(DTYPES)}
 # Names the daemon lays out may not hold control characters (they would forge log lines); NUL
 # separates names on the wire, so no name read from the wire can hold it either.
 _CONTROL_CHAR = re.compile(r"[\x00-\x1f\x7f]")
@@ -156,7 +156,7 @@ class Manifest:
             shape = tuple(shape)
             nbytes = tensor_nbytes(name, dtype, shape)
             names.append(name)
-            codes.append(_CODE[dtype])
+            codes.append(DTYPE_CODES[dtype])
             ids.append(shape_index.setdefault(shape, len(shape_index)))
             offsets.append(offset)
             sizes.append(nbytes)
@@ -286,7 +286,7 @@ class Manifest:
             raise BadRequest(f"tensor {names[i]!r}: offset {offsets[i]} not aligned or outside the arena",
                              {"tensor": names[i]})
         manifest = cls(names, codes, tuple(shapes), ids, offsets, sizes, size, runs)
-        _check_overlaps(manifest, ends)
+        check_overlaps(names, offsets, sizes, ends)
         return manifest
 
     @classmethod
@@ -301,12 +301,36 @@ class Manifest:
         if len(raw.translate(None, _CONTROL_BYTES)) != len(raw):  # UTF-8 never hides these bytes
             _check_name(next(n for n in names if _CONTROL_CHAR.search(n)))
         sizes = list(map(mul, map(numels.__getitem__, ids), map(ITEMSIZES.__getitem__, codes)))
+        return cls._laid_out(names, codes, tuple(shapes), ids, sizes)
+
+    @classmethod
+    def from_columns(cls, names: tuple[str, ...], codes: bytes, shapes: tuple[tuple[int, ...], ...],
+                     ids: array[int], sizes: list[int]) -> Manifest:
+        """`build` for tensors given as valid columns (dtype codes, distinct shapes, each tensor's
+        shape index and size in bytes, as a parsed checkpoint has them): the same layout and the
+        same checks of the names (same errors, first one first), in bulk."""
+        n = len(names)
+        lengths = list(map(len, names))
+        if n and (set(map(type, names)) != {str} or min(lengths) < 1 or max(lengths) > MAX_NAME_LEN
+                  or _CONTROL_CHAR.search("".join(names)) or len(set(names)) != n) or n > MAX_TENSORS:
+            seen: set[str] = set()
+            for name in names[: MAX_TENSORS + 1]:  # what `build` would raise, in its order
+                _check_name(name)
+                if name in seen:
+                    raise BadRequest(f"tensor {name!r} appears twice", {"tensor": name})
+                seen.add(name)
+            raise BadRequest(f"more than {MAX_TENSORS} tensors")
+        return cls._laid_out(names, codes, shapes, ids, sizes)
+
+    @classmethod
+    def _laid_out(cls, names: tuple[str, ...], codes: bytes, shapes: tuple[tuple[int, ...], ...],
+                  ids: array[int], sizes: list[int]) -> Manifest:
         # Each offset is aligned, so the next one is it plus the size rounded up (as `build` lays out).
         ends = list(accumulate(map(and_, map(add, sizes, repeat(ALIGN - 1)), repeat(-ALIGN)), initial=0))
         size = max(ends[-1], ALIGN)
         if size > MAX_DIM:
             raise BadRequest(f"the tensors need {size} bytes, more than an arena can hold")
-        return cls(names, codes, tuple(shapes), ids, array("Q", ends[:-1]), sizes, size)
+        return cls(names, codes, shapes, ids, array("Q", ends[:-1]), sizes, size)
 
     @classmethod
     def _from_rows(cls, obj: dict[str, Any]) -> Manifest:
@@ -340,12 +364,12 @@ class Manifest:
                 raise BadRequest(f"tensor {name!r}: offset {offset!r} not aligned or outside the arena",
                                  {"tensor": name})
             names.append(name)
-            codes.append(_CODE[dtype])
+            codes.append(DTYPE_CODES[dtype])
             ids.append(shape_index.setdefault(shape, len(shape_index)))
             offsets.append(offset)
             sizes.append(nbytes)
         manifest = cls(tuple(names), bytes(codes), tuple(shape_index), ids, offsets, sizes, size)
-        _check_overlaps(manifest, list(map(add, offsets, sizes)))
+        check_overlaps(manifest.names, offsets, sizes, list(map(add, offsets, sizes)))
         return manifest
 
 
@@ -425,20 +449,21 @@ def _check_runs(runs: array[int], codes: bytes, ids: array[int], offsets: array[
         at += count
 
 
-def _check_overlaps(m: Manifest, ends: list[int]) -> None:
-    """No two tensors with data share a byte (zero-size tensors may sit anywhere).
+def check_overlaps(names: Sequence[str], starts: Sequence[int], sizes: Sequence[int], ends: Sequence[int]) -> None:
+    """No two tensors with data share a byte (zero-size tensors may sit anywhere). Of overlapping
+    ones, names the first pair of neighbours in (stable) order of starts.
 
     Intervals are disjoint exactly when, with starts and ends each sorted on their own, every
     start but the first is at or after the previous end: two plain sorts of integers, no key.
     """
-    starts, stops = m.offsets, ends
-    if 0 in m.sizes:
-        starts, stops = list(compress(starts, m.sizes)), list(compress(stops, m.sizes))  # type: ignore[assignment]
-    if len(starts) < 2:
+    live_starts, live_ends = starts, ends
+    if 0 in sizes:
+        live_starts, live_ends = list(compress(starts, sizes)), list(compress(ends, sizes))
+    if len(live_starts) < 2:
         return
-    s, e = sorted(starts), sorted(stops)
+    s, e = sorted(live_starts), sorted(live_ends)
     if not all(map(le, e[:-1], s[1:])):
-        live = [i for i in range(len(m.names)) if m.sizes[i]]
-        live.sort(key=m.offsets.__getitem__)
-        a, b = next((a, b) for a, b in zip(live, live[1:]) if ends[a] > m.offsets[b])
-        raise BadRequest(f"tensors {m.names[a]!r} and {m.names[b]!r} overlap")
+        live = [i for i in range(len(names)) if sizes[i]]
+        live.sort(key=starts.__getitem__)
+        a, b = next((a, b) for a, b in zip(live, live[1:]) if ends[a] > starts[b])
+        raise BadRequest(f"tensors {names[a]!r} and {names[b]!r} overlap")

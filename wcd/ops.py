@@ -155,11 +155,20 @@ def metrics(ctx: Context, conn: Connection, req: protocol.Metrics) -> None:
 
 
 async def acquire(ctx: Context, conn: Connection, req: protocol.Acquire) -> None:
-    entry = ctx.state.cache.find(ctx.residency.resolve(req.target()))
-    if entry.state in ("loading", "filling"):
+    target = ctx.residency.resolve(req.target())
+    entry = ctx.state.cache.find(target)
+    deadline = time.monotonic() + req.timeout_s
+    while entry.state in ("loading", "filling"):
         if not req.wait:
             raise Busy(f"entry {entry.name!r} is {entry.state}", {"state": entry.state})
-        entry = await ctx.residency.wait_ready(entry, req.timeout_s)
+        try:
+            entry = await ctx.residency.wait_ready(entry, max(0.0, deadline - time.monotonic()))
+        except NotFound:
+            # An entry re-adopted after a restart that failed its check is loaded again from disk
+            # under its name before its waiters wake: wait for that load, if it is what was asked for.
+            if ctx.state.cache.entries.get(entry.name) in (None, entry):
+                raise
+            entry = ctx.state.cache.find(target)
     if not entry.manifest.wire_ready(conn.version):  # once per entry and version: 10^5 tensors take a while
         await asyncio.to_thread(entry.manifest.wire, conn.version)
         if ctx.state.cache.entries.get(entry.name) is not entry:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from wcd import parking, systemd
-from wcd.arenas import Arena, ArenaBackend, backend_for, is_gpu_device
+from wcd.arenas import Arena, ArenaBackend, backend_for, is_gpu_device, loaded_backends
 from wcd.cache import Entry, Lease, Origin, Retention
 from wcd.checkpoint import Checkpoint, open_files
 from wcd.config import Config, ModelConfig, format_size, parse_size
@@ -45,6 +45,7 @@ FILL_WORKERS = 4  # loads filling at once; each runs `load_workers` reader threa
 Spawn = Callable[[Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]
 T = TypeVar("T")
 Digests = dict[str, str]
+ADOPTING_NOTE = "re-adopted from systemd's fd store: checking it before serving"
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +93,7 @@ class Residency:
         self._committing: set[int] = set()  # fill leases whose commit is sealing
         self._checkpoints: dict[str, Checkpoint] = {}  # admitted, not yet filling
         self._parked: set[str] = set()  # entries whose fds sit in the fd store
+        self._unchecked: list[tuple[Entry, parking.ParkedEntry]] = []  # adopted, for start_checks
         self._digest_pool = ThreadPoolExecutor(state.config.daemon.digest_workers, thread_name_prefix="wcd-digest")
         self._fill_pool = ThreadPoolExecutor(FILL_WORKERS, thread_name_prefix="wcd-fill")
 
@@ -121,29 +123,39 @@ class Residency:
 
     # -- loading ----------------------------------------------------------------------------
 
-    async def admit_configured(self, model: ModelConfig) -> None:
-        """Admit a configured model and start filling it in the background; failures are logged."""
-        if model.name in self.cache.entries:
+    async def admit_configured(self, model: ModelConfig, replacing: Entry | None = None) -> None:
+        """Admit a configured model and start filling it in the background; failures are logged.
+        `replacing`: the entry of that name, which goes when this one is admitted (`admit_load`)."""
+        if self.cache.entries.get(model.name) not in (None, replacing):
             return  # adopted from the fd store, or still leased after a reload changed it
         try:
             entry = await self.admit_load(model.name, model.path, model.device, model.retention, "config",
-                                          model.follow_symlinks)
+                                          model.follow_symlinks, replacing)
         except WcdError as e:
             log.error("cannot load %s: %s", model.name, e.message)
             return
         self.start_fill(entry)
 
     async def admit_load(self, name: str, path: Path, device: str, retention: Retention, origin: Origin,
-                         follow_links: bool = False) -> Entry:
+                         follow_links: bool = False, replacing: Entry | None = None) -> Entry:
         """Open the checkpoint's shards (kept open until the fill ends), read their headers,
-        fingerprint them through the same descriptors, and admit an entry (state loading)."""
+        fingerprint them through the same descriptors, and admit an entry (state loading).
+        `replacing` (an entry of the same name) is dropped in the same step as this one is admitted,
+        so that nothing looking the name up in between finds neither."""
         canonical = self.canonical_device(device)
+        self._prepare(canonical)
+        started = time.monotonic()
         ckpt = await asyncio.to_thread(Checkpoint.open, path, follow_links)
+        opened = time.monotonic()
         try:
             # 100,000 tensors take a few hundred ms to lay out: off the loop, like the reads.
             fingerprint, manifest = await asyncio.to_thread(lambda: (key_fingerprint(ckpt), ckpt.manifest()))
+            log.info("admitting %s: %d shards, headers read in %.3f s, fingerprint and layout %.3f s", name,
+                     len(ckpt.fds), opened - started, time.monotonic() - opened)
             key = WeightCacheKey(model=name, path=str(ckpt.path), fingerprint=fingerprint, device=canonical)
             nbytes = backend_for(canonical).arena_size(manifest.size, canonical)
+            if replacing is not None:
+                self.reclaim(self.cache.load_failed(replacing))
             entry, victims = self.cache.admit(name, key, manifest, nbytes, retention, origin, publisher=os.getuid())
         except BaseException:
             ckpt.close()
@@ -152,6 +164,20 @@ class Residency:
         self._ready[name] = asyncio.Event()
         self._checkpoints[name] = ckpt
         return entry
+
+    def _backend(self, device: str) -> ArenaBackend:
+        """The backend of `device`, told the configured staging linger (which a reload may change)."""
+        backend = backend_for(device)
+        backend.configure(self.state.config.daemon.staging_linger_s)
+        return backend
+
+    def _prepare(self, device: str) -> None:
+        """Start getting `device` ready (a GPU's context and pinned staging) while the checkpoint's
+        headers are read: most of a GPU load's fixed cost, overlapped. Failures show at the fill."""
+        backend = self._backend(device)
+        workers = self.state.config.daemon.load_workers or default_workers()
+        future = asyncio.get_running_loop().run_in_executor(None, backend.prepare, device, workers)
+        future.add_done_callback(_quiet)
 
     def start_fill(self, entry: Entry) -> asyncio.Task[Entry]:
         """Fill an admitted entry in the background; the task ends when it is ready (or failed)."""
@@ -174,6 +200,7 @@ class Residency:
 
         try:
             entry.arena = await self._create(backend_for(entry.device), entry.device, entry.nbytes, entry.name)
+            allocated = time.monotonic()
             await self._using(self._fill_pool, entry.arena, fill)
         except BaseException as e:
             ckpt.close()
@@ -186,7 +213,8 @@ class Residency:
         ckpt.close()
         seconds = time.monotonic() - started
         self._metrics.loaded(entry.device, manifest.nbytes, seconds)
-        log.info("loaded %s in %.2f s (%.2f GB/s)", entry.name, seconds, manifest.nbytes / max(seconds, 1e-9) / 1e9)
+        log.info("loaded %s in %.2f s (%.2f GB/s; allocating %.3f s, copying %.3f s)", entry.name, seconds,
+                 manifest.nbytes / max(seconds, 1e-9) / 1e9, allocated - started, seconds - (allocated - started))
         self.reclaim(self.cache.loaded(entry))
         self._set_ready(entry)
         return entry
@@ -390,8 +418,14 @@ class Residency:
             return
         self._parked.add(entry.name)
 
-    async def adopt_parked(self, fds: list[tuple[int, str]]) -> None:
-        """Re-adopt arenas systemd kept for us; drop (and unstore) anything unknown, corrupt or stale."""
+    def adopt_parked(self, fds: list[tuple[int, str]]) -> None:
+        """Re-adopt arenas systemd kept for us; drop (and unstore) anything unknown or corrupt.
+
+        Before READY only what takes microseconds per entry whatever its size: the record less its
+        manifest's layout, and the arena fd (host: its seals and size; CUDA: import, no context).
+        Each entry is then `loading`, charged to its budget under its name, so an engine that
+        connects at once waits for it and the configured model is not loaded again from disk;
+        `start_checks` starts the rest, once READY is out."""
         groups: dict[str, dict[str, int]] = {}
         for fd, name in fds:
             stem, dot, suffix = name.rpartition(".")
@@ -407,12 +441,9 @@ class Residency:
             try:
                 if arena_fd is None or record_fd is None:
                     raise BadRequest("its arena or record is missing")
-                entry = await self._adopt(parking.parse_record(record_fd), arena_fd)
+                rec = parking.parse_record(record_fd)
+                self._unchecked.append((self._adopt(rec, arena_fd), rec))
                 arena_fd = None  # the arena owns it now
-                if entry.origin == "publish":
-                    self._keep_digest(entry, "digest at re-adoption after a restart")
-                log.info("adopted %s from systemd's fd store (%s on %s, no disk read)%s", entry.name,
-                         format_size(entry.nbytes), entry.device, f"; {entry.notes[0]}" if entry.notes else "")
             except (WcdError, OSError) as e:
                 log.warning("fd store: dropping %s: %s", stem, getattr(e, "message", e))
                 for suffix in (parking.ARENA_SUFFIX, parking.RECORD_SUFFIX):
@@ -422,44 +453,86 @@ class Residency:
                     if leftover is not None:
                         os.close(leftover)
 
-    async def _adopt(self, rec: parking.ParkedEntry, arena_fd: int) -> Entry:
+    def _adopt(self, rec: parking.ParkedEntry, arena_fd: int) -> Entry:
+        """Admit a parked entry (state `loading`) with its arena."""
         device = rec.key.device
         if device not in self.cache.budgets:
             raise BadRequest(f"device {device} is no longer configured")
-        notes = []
-        if rec.origin != "publish":
-            if Path(rec.key.path).exists():
-                fingerprint = await asyncio.to_thread(self._fingerprint, rec.key.path, self._follow_links(rec.name))
-                if fingerprint != rec.key.fingerprint:
-                    raise BadRequest(f"stale: {rec.key.path} changed since it was loaded")
-            else:
-                notes.append(f"checkpoint {rec.key.path} is missing: serving the copy kept across the restart")
-        backend = backend_for(device)
-        arena = backend.adopt(os.dup(arena_fd), device, rec.arena_size, rec.name)
+        arena = self._backend(device).adopt(os.dup(arena_fd), device, rec.arena_size, rec.name)
         try:
-            entry, victims = self.cache.admit(rec.name, rec.key, rec.manifest, arena.size, rec.retention, rec.origin,
-                                              publisher=rec.publisher if rec.origin == "publish" else os.getuid())
+            # An empty manifest stands in until `_check_adopted` validates the record's (status shows 0 tensors).
+            entry, victims = self.cache.admit(rec.name, rec.key, Manifest.build(()), arena.size, rec.retention,
+                                              rec.origin, rec.publisher if rec.origin == "publish" else os.getuid(),
+                                              adopted=True)
         except BaseException:
             arena.close()
             raise
         os.close(arena_fd)
         self.reclaim(victims)
-        entry.arena, entry.notes, entry.done_bytes = arena, notes, rec.manifest.nbytes
-        self.cache.loaded(entry)
+        entry.arena, entry.notes = arena, [ADOPTING_NOTE]
+        self._ready[entry.name] = asyncio.Event()
         self._parked.add(entry.name)  # systemd still holds the fds: never store them twice
         return entry
 
-    def _follow_links(self, name: str) -> bool:
-        return any(m.follow_symlinks for m in self.state.config.models if m.name == name)
+    def start_checks(self) -> None:
+        """Start checking the entries `adopt_parked` admitted, in the background. Called after READY:
+        started before, their worker threads' Python would compete with start-up's for the GIL."""
+        for entry, rec in self._unchecked:
+            self._spawn(self._check_adopted(entry, rec))
+        self._unchecked = []
 
-    @staticmethod
-    def _fingerprint(path: str, follow_links: bool) -> str:
-        files = open_files(Path(path).resolve(), follow_links)
+    async def _check_adopted(self, entry: Entry, rec: parking.ParkedEntry) -> None:
+        """After READY: validate the manifest's layout, re-fingerprint the checkpoint (a changed
+        one is never served), and let the backend finish checking the arena; then the entry is
+        ready. All three grow with the entry (tensors, header bytes, a CUDA context) and the
+        fingerprint reads the checkpoint's filesystem, so none of them delays READY. A failure
+        drops the entry and its fds with one line; a configured model is then loaded from disk,
+        and acquires waiting for the entry wait for that load instead."""
         try:
-            return fingerprint_unparsed(files)
+            manifest = await asyncio.to_thread(rec.manifest)
+            notes = await asyncio.to_thread(self._refingerprint, rec) if rec.origin != "publish" else []
+            await self._using(None, entry.arena, lambda arena: arena.check_adopted())
+        except Exception as e:  # noqa: BLE001 - whatever went wrong, the entry must not stay unchecked
+            log.warning("fd store: dropping %s: %s", entry.name,
+                        e.message if isinstance(e, WcdError) else f"{type(e).__name__}: {e}")
+            await self._replace_adopted(entry)
+            return
+        entry.manifest, entry.notes, entry.done_bytes = manifest, notes, manifest.nbytes
+        dropped = self.cache.loaded(entry)
+        if dropped:  # evicted while it was checked
+            self.reclaim(dropped)
+            return
+        if entry.origin == "publish":
+            self._keep_digest(entry, "digest at re-adoption after a restart")
+        self._set_ready(entry)
+        log.info("adopted %s from systemd's fd store (%s on %s, no disk read)%s", entry.name,
+                 format_size(entry.nbytes), entry.device, f"; {entry.notes[0]}" if entry.notes else "")
+
+    async def _replace_adopted(self, entry: Entry) -> None:
+        """Drop an adopted entry that failed its check. A configured model (not evicted meanwhile)
+        is loaded again from disk, admitted as the entry goes: acquires waiting for the entry
+        wake to find the new one (`wcd.ops.acquire`)."""
+        model = next((m for m in self.state.config.models if m.name == entry.name), None)
+        if model is not None and entry.origin == "config" and entry.state != "evicting":
+            await self.admit_configured(model, replacing=entry)
+        self.reclaim(self.cache.load_failed(entry))  # if it was not replaced
+
+    def _refingerprint(self, rec: parking.ParkedEntry) -> list[str]:
+        """The notes of a checkpoint's parked entry; `BadRequest` if the checkpoint changed since it was
+        loaded. A checkpoint that is gone does not stop the kept copy being served (it is noted)."""
+        if not Path(rec.key.path).exists():
+            return [f"checkpoint {rec.key.path} is missing: serving the copy kept across the restart"]
+        files = open_files(Path(rec.key.path).resolve(), self._follow_links(rec.name))
+        try:
+            if fingerprint_unparsed(files) != rec.key.fingerprint:
+                raise BadRequest(f"stale: {rec.key.path} changed since it was loaded")
         finally:
             for _, fd in files:
                 os.close(fd)
+        return []
+
+    def _follow_links(self, name: str) -> bool:
+        return any(m.follow_symlinks for m in self.state.config.models if m.name == name)
 
     # -- shutdown ---------------------------------------------------------------------------
 
@@ -471,6 +544,11 @@ class Residency:
                 entry.arena.close()  # deferred while a worker holds it; its next read stops it
         for pool in (self._digest_pool, self._fill_pool):
             pool.shutdown(wait=False, cancel_futures=True)
+        for backend in loaded_backends():
+            try:
+                backend.release()  # lingering GPU contexts and staging; a fill still running keeps its own
+            except WcdError as e:
+                log.warning("releasing load staging: %s", e.message)
         return sum(1 for name in self._parked if name in self.cache.entries)
 
 

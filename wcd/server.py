@@ -83,7 +83,7 @@ class Server:
             loop.add_signal_handler(sig, handler)
         self._spawn(self.residency.expire_leases())
         self._spawn(self._close_idle())
-        await self.residency.adopt_parked(self._parked_fds)
+        self.residency.adopt_parked(self._parked_fds)  # served once checked, after READY
         self._parked_fds = []
         # Admit configured models before serving, so an engine that connects at once waits for
         # its model instead of getting not_found; the copies themselves run in the background.
@@ -95,6 +95,7 @@ class Server:
         self._listen()
         log.info("wcd %s serving %s (devices: %s)", __version__, self.state.where, ", ".join(budgets))
         self._notify("ready", self.status_line())
+        self.residency.start_checks()
         self._spawn(self._report_status())
         interval = systemd.watchdog_interval()
         if interval is not None:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from wcd.errors import BadRequest
+from wcd.gcpause import gc_paused
 from wcd.manifest import DTYPES, ITEMSIZES, Manifest, contiguous_strides
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -56,9 +57,7 @@ def build_views(base: torch.Tensor, manifest: Manifest) -> dict[str, torch.Tenso
     views: list[Sequence[torch.Tensor]] = []  # per run, in the manifest's column order
     # Creating 10^5 tensor objects would trigger full collections of every object the process
     # (torch included) holds, for nothing: views form no reference cycles.
-    gc_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with gc_paused():
         for code, shape, strides, offset, step, count in plan:
             tb = typed.get(code)
             if tb is None:
@@ -69,9 +68,6 @@ def build_views(base: torch.Tensor, manifest: Manifest) -> dict[str, torch.Tenso
             else:
                 views.append(tb.as_strided((count, *shape), (step, *strides), offset).unbind(0))
         return dict(zip(manifest.names, chain.from_iterable(views)))
-    finally:
-        if gc_enabled:
-            gc.enable()
 
 
 _Run = tuple[int, tuple[int, ...], tuple[int, ...], int, int, int]

@@ -8,6 +8,7 @@ that poisons the context, a SIGKILLed exporter, another device enumeration).
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import os
 import re
@@ -232,6 +233,65 @@ def test_verify_reads_back_and_compares_in_one_pass(backend: Any, uuid: str, che
             host.close()
 
 
+def test_staging_lingers_between_loads_and_cold_files_leave_the_page_cache(tmp_path: Path) -> None:
+    n = 40 * MiB + 12345  # several cold reads, the last one short
+    data = os.urandom(n)
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    out = run_child(f"""
+        import json, os, time
+        from cuda.bindings import driver as cuda
+        from wcd.arenas.cuda import CudaBackend, find_gpu
+        from wcd.loader import cached_fraction
+
+        def active():
+            return bool(cuda.cuDevicePrimaryCtxGetState(0)[2])
+
+        def load(b, fd, fraction):
+            a = b.create("cuda:0", b.arena_size({n}, "cuda:0"), "linger")
+            w = a.writer()
+            w.hint(fd, fraction)
+            w.copy_from_file(fd, 0, 0, {n})
+            w.close()
+            return a
+
+        fd = os.open({str(path)!r}, os.O_RDONLY)
+        os.fsync(fd)
+        res = {{}}
+        a = load(CudaBackend(linger_s=0), fd, 1.0)
+        res["active_after_unlingering_load"] = active()
+        a.close()
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        res["cached_before"] = cached_fraction(fd)
+        b = CudaBackend(linger_s=1.5)
+        a = load(b, fd, res["cached_before"])
+        res["cached_after_cold_load"] = cached_fraction(fd)
+        res["active_while_lingering"] = active()
+        staging = b.staging(find_gpu("cuda:0"))
+        res["pooled"] = len(staging._free)
+        res["lane_bytes"] = staging._free[0].nbytes
+        res["cold_bytes_ok"] = a.read(0, {n}) == open({str(path)!r}, "rb").read()
+        a.close()
+        a = load(b, fd, 1.0)  # warm, from the pooled lane
+        res["pooled_reused"] = len(staging._free)
+        res["warm_bytes_ok"] = a.read(0, {n}) == open({str(path)!r}, "rb").read()
+        a.close()
+        time.sleep(3)
+        res["active_after_linger"] = active()
+        print(json.dumps(res))
+    """)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout.splitlines()[-1])
+    print(f"[gpu-info] staging: {res}")
+    assert not res["active_after_unlingering_load"], "linger 0 kept the context"
+    assert res["cold_bytes_ok"] and res["warm_bytes_ok"]
+    assert res["active_while_lingering"] and res["pooled"] == 1 and res["pooled_reused"] == 1
+    assert res["lane_bytes"] == 16 * MiB, "a cold read did not grow the lane to large reads"
+    assert not res["active_after_linger"], "the context outlived staging_linger_s"
+    if res["cached_before"] < 0.02:  # the file system honours DONTNEED: the cold load must too
+        assert res["cached_after_cold_load"] < 0.1, "a cold load left the file in the page cache"
+
+
 def test_write_through_a_read_lease_faults_in_the_client_only(backend: Any, tmp_path: Path) -> None:
     n = 4 * MiB
     arena, data, _ = filled_arena(backend, tmp_path, n)
@@ -422,11 +482,15 @@ def test_adopt_a_parked_arena_fd_after_a_restart(backend: Any, tmp_path: Path) -
     arena.close()  # the old daemon is gone
     adopted = backend.adopt(parked, device, size, "adopted")
     try:
+        adopted.check_adopted()
         assert adopted.fd() == parked and adopted.size == size and adopted.read(0, n) == data
-        spare = os.dup(parked)
-        with pytest.raises(BadRequest, match="smaller than"):
-            backend.adopt(spare, device, size + 2 * MiB, "too-big")
-        os.close(spare)
+        # adopt() cannot tell a short allocation without a context; the check after READY does.
+        too_big = backend.adopt(os.dup(parked), device, size + 2 * MiB, "too-big")
+        try:
+            with pytest.raises(BadRequest, match="too-big: the arena is smaller than"):
+                too_big.check_adopted()
+        finally:
+            too_big.close()
     finally:
         adopted.close()
     out = run_child("""
@@ -442,6 +506,37 @@ def test_adopt_a_parked_arena_fd_after_a_restart(backend: Any, tmp_path: Path) -
     """)
     print(f"[gpu-info] adopt a memfd: {out.stdout.strip()!r}")
     assert out.stdout.startswith("BADREQUEST") and "not an exported CUDA arena" in out.stdout, out.stderr
+
+
+def test_adopting_an_arena_creates_no_cuda_context(backend: Any, tmp_path: Path) -> None:
+    """What the daemon does before READY after a restart (`adopt`) leaves the primary context
+    alone: creating it takes ~0.25 s on an H200. Only `check_adopted`, after READY, retains it,
+    and it releases it again (at once with staging_linger_s = 0)."""
+    n = MiB
+    arena, data, _ = filled_arena(backend, tmp_path, n)
+    fd, sha = os.dup(arena.fd()), hashlib.sha256(data).hexdigest()
+    code = f"""
+        import hashlib
+        from cuda.bindings import driver as cuda
+        from wcd.arenas.cuda import CudaBackend, find_gpu
+
+        def active():
+            err, flags, on = cuda.cuDevicePrimaryCtxGetState(find_gpu("{arena.device}").ordinal)
+            assert err == cuda.CUresult.CUDA_SUCCESS, err
+            return int(on)
+
+        adopted = CudaBackend(linger_s=0).adopt({fd}, "{arena.device}", {arena.size}, "adopted")
+        after_adopt = active()
+        adopted.check_adopted()
+        print("CTX", after_adopt, active(), hashlib.sha256(adopted.read(0, {n})).hexdigest() == "{sha}")
+    """
+    try:
+        out = run_child(code, pass_fds=(fd,))
+    finally:
+        os.close(fd)
+        arena.close()
+    print(f"[gpu-info] primary context active after adopt, after check_adopted, data: {out.stdout.strip()!r}")
+    assert out.returncode == 0 and out.stdout.strip() == "CTX 0 0 True", out.stderr
 
 
 def test_out_of_memory_is_one_clear_line(backend: Any, uuid: str) -> None:

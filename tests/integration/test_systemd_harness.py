@@ -14,16 +14,21 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
+import msgpack
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from tests.integration.conftest import same
 from wcd.client import Client
+from wcd.errors import Busy, NotFound
 from wcd.key import WeightCacheKey
+from wcd.residency import ADOPTING_NOTE
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -45,11 +50,11 @@ class FakeSystemd:
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = root / "daemon.log"
 
-    def start(self, config: Path, watchdog_usec: int | None = None) -> None:
+    def start(self, config: Path, watchdog_usec: int | None = None, env: dict[str, str] | None = None) -> None:
         # After a restart systemd passes the socket's fds, then the fd store's.
         passed = [(self.listener.fileno(), self.socket_name)] + [(fd, n) for n, fds in self.store.items() for fd in fds]
-        env = {**os.environ, "LISTEN_FDS": str(len(passed)), "LISTEN_FDNAMES": ":".join(n for _, n in passed),
-               "NOTIFY_SOCKET": str(self.notify_path)}
+        env = {**os.environ, **(env or {}), "LISTEN_FDS": str(len(passed)),
+               "LISTEN_FDNAMES": ":".join(n for _, n in passed), "NOTIFY_SOCKET": str(self.notify_path)}
         if watchdog_usec:
             env["WATCHDOG_USEC"] = str(watchdog_usec)
         sources = [fd for fd, _ in passed]
@@ -115,6 +120,75 @@ class FakeSystemd:
         self.notify.close()
 
 
+# Loaded by the daemon under test (through PYTHONPATH): holds the check of every re-adopted entry,
+# which runs after READY, until the test creates the gate file.
+GATE_SITE = """
+import os, time
+from wcd import parking
+
+_manifest = parking.ParkedEntry.manifest
+
+def _gated(self):
+    while not os.path.exists(os.environ["WCD_TEST_GATE"]):
+        time.sleep(0.01)
+    return _manifest(self)
+
+parking.ParkedEntry.manifest = _gated
+"""
+
+
+def gated_checks(root: Path) -> tuple[dict[str, str], Path]:
+    """(env for `FakeSystemd.start`, gate file): the daemon's checks of re-adopted entries wait
+    until the gate file exists."""
+    site = root / "gate-site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(GATE_SITE)
+    return {"PYTHONPATH": str(site), "WCD_TEST_GATE": str(root / "gate")}, root / "gate"
+
+
+def in_thread(job: Any) -> tuple[threading.Thread, dict[str, Any]]:
+    """Run `job()` in a thread; the dict gets its "result" or "error"."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["result"] = job()
+        except Exception as e:  # noqa: BLE001 - handed to the test to assert on
+            out["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def rewrite_record(harness: FakeSystemd, change: Any) -> None:
+    """Replace the one parked record in the harness's fd store by `change(record)`."""
+    [name] = [n for n in harness.store if n.endswith(".record")]
+    [fd] = harness.store[name]
+    rec = msgpack.unpackb(os.pread(fd, os.fstat(fd).st_size, 0), raw=False)
+    change(rec)
+    new = os.memfd_create("record")
+    os.write(new, msgpack.packb(rec, use_bin_type=True))
+    os.close(fd)
+    harness.store[name] = [new]
+
+
+def misalign_first_tensor(rec: dict[str, Any]) -> None:
+    """A layout `parse_record` accepts and `Manifest.from_wire` refuses."""
+    offsets = bytearray(rec["manifest"]["offsets"])
+    offsets[0] = 8
+    rec["manifest"]["offsets"] = bytes(offsets)
+
+
+def park(harness: FakeSystemd, cfg: Path, name: str = "m") -> None:
+    """Start the daemon, acquire `name` once (so it is loaded), wait until it is parked, stop."""
+    harness.start(cfg)
+    with Client(harness.sock_path) as c, c.acquire(name):
+        pass
+    harness.wait_for("FDSTORE", "1")
+    assert harness.stop() == 0 and len(harness.store) == 2
+
+
 @pytest.fixture
 def fake_systemd(tmp_path):
     h = FakeSystemd(tmp_path)
@@ -158,11 +232,11 @@ def test_restart_keeps_weights_through_the_fd_store(fake_systemd, tmp_path):
     fake_systemd.start(cfg)
     assert fake_systemd.sock_path.exists()  # an activated socket is never unlinked
     with Client(fake_systemd.sock_path) as after:
+        with after.acquire("llama") as lease2:  # waits for the check that follows READY
+            assert same(lease2.tensors["w"], tensors["w"]) and same(lease2.tensors["b"], tensors["b"])
         [entry] = after.list()
         assert entry["name"] == "llama" and entry["state"] == "ready"
         assert "is missing" in entry["notes"][0]
-        with after.acquire("llama") as lease2:
-            assert same(lease2.tensors["w"], tensors["w"]) and same(lease2.tensors["b"], tensors["b"])
         after.evict("llama")
     fake_systemd.wait_for("FDSTOREREMOVE", "1")
     fake_systemd.wait_for("FDSTOREREMOVE", "1", after=fake_systemd.wait_for("FDSTOREREMOVE", "1") + 1)
@@ -186,10 +260,10 @@ def test_a_listener_under_any_name_is_the_listener_after_a_restart(tmp_path, soc
         assert harness.stop() == 0 and len(harness.store) == 2
         harness.start(cfg)
         with Client(harness.sock_path) as c:
+            with c.acquire("m") as lease:  # waits for the check that follows READY
+                assert same(lease.tensors["w"], tensors["w"])
             [entry] = c.list()
             assert entry["state"] == "ready"
-            with c.acquire("m") as lease:
-                assert same(lease.tensors["w"], tensors["w"])
         log = harness.log.read_text()
         assert "adopted" in log and "dropping unknown fd" not in log and "another daemon" not in log
         assert not (tmp_path / "unused.sock").exists()  # served on the passed socket, not its own
@@ -296,4 +370,123 @@ def test_verify_of_a_readopted_published_entry(fake_systemd, tmp_path):
         assert entry["name"] == name and entry["publisher_uid"] == os.getuid()
         reply = c.verify(name)
         assert reply["match"] and reply["against"] == "digest at re-adoption after a restart"
+    assert fake_systemd.stop() == 0
+
+
+def test_an_acquire_before_the_check_after_ready_waits_for_it(fake_systemd, tmp_path):
+    """READY comes before the re-adopted entry is checked; until then the entry is loading (status
+    says why) and a client that acquires it waits, then gets it from the kept arena."""
+    ckpt = tmp_path / "m"
+    tensors = write_model(ckpt, seed=1)
+    cfg = config(tmp_path, {"m": ckpt})
+    park(fake_systemd, cfg)
+    env, gate = gated_checks(tmp_path)
+    fake_systemd.start(cfg, env=env)
+    with Client(fake_systemd.sock_path) as c:
+        [entry] = c.list()
+        assert entry["state"] == "loading" and entry["notes"] == [ADOPTING_NOTE]
+        assert entry["bytes"] > 0  # charged to the budget already
+        with pytest.raises(Busy, match="is loading"):
+            c.acquire("m", wait=False)
+
+        def acquire() -> bool:
+            with Client(fake_systemd.sock_path) as c2, c2.acquire("m") as lease:
+                return same(lease.tensors["w"], tensors["w"]) and same(lease.tensors["b"], tensors["b"])
+
+        waiter, out = in_thread(acquire)
+        waiter.join(0.5)
+        assert waiter.is_alive(), out  # not served before its check
+        gate.touch()
+        waiter.join(30)
+        assert out == {"result": True}
+        [entry] = c.list()
+        assert entry["state"] == "ready" and entry["notes"] == [] and entry["tensors"] == 2
+    log = fake_systemd.log.read_text()
+    assert log.count("loading m:") == 1 and "adopted m from systemd's fd store" in log  # no disk read
+    assert fake_systemd.stop() == 0
+
+
+def test_a_stale_checkpoint_is_never_served_to_a_client_waiting_for_the_check(fake_systemd, tmp_path):
+    """The checkpoint changed while the daemon was down: the check after READY drops the kept copy
+    and loads the model again from disk; a client already waiting gets the new values, not an error."""
+    ckpt = tmp_path / "m"
+    write_model(ckpt, seed=1)
+    cfg = config(tmp_path, {"m": ckpt})
+    park(fake_systemd, cfg)
+    parked = set(fake_systemd.store)
+    new = write_model(ckpt, seed=2)  # same names and shapes, new values: the parked copy is stale
+    env, gate = gated_checks(tmp_path)
+    fake_systemd.start(cfg, env=env)
+
+    def acquire() -> bool:
+        with Client(fake_systemd.sock_path) as c, c.acquire("m") as lease:
+            return same(lease.tensors["w"], new["w"]) and same(lease.tensors["b"], new["b"])
+
+    waiter, out = in_thread(acquire)
+    waiter.join(0.5)
+    assert waiter.is_alive(), out
+    at = len(fake_systemd.messages)
+    gate.touch()
+    waiter.join(30)
+    assert out == {"result": True}
+    fake_systemd.wait_for("FDSTORE", "1", after=at)  # the reloaded entry, parked under its new key
+    removed = {m["FDNAME"] for m in fake_systemd.messages[at:] if m.get("FDSTOREREMOVE") == "1"}
+    assert removed == parked and len(fake_systemd.store) == 2 and not parked & set(fake_systemd.store)
+    log = fake_systemd.log.read_text()
+    assert "fd store: dropping m: stale: " in log and log.count("loading m:") == 2
+    assert fake_systemd.stop() == 0
+
+
+def test_a_record_that_fails_the_check_after_ready_is_dropped(fake_systemd, tmp_path):
+    """A record whose layout passes the quick parse before READY but not the full validation after:
+    dropped with one line naming the problem, its fds unstored; the configured model is loaded
+    from disk for the client waiting for it."""
+    ckpt = tmp_path / "m"
+    tensors = write_model(ckpt, seed=1)
+    cfg = config(tmp_path, {"m": ckpt})
+    park(fake_systemd, cfg)
+    parked = set(fake_systemd.store)
+    rewrite_record(fake_systemd, misalign_first_tensor)
+    env, gate = gated_checks(tmp_path)
+    fake_systemd.start(cfg, env=env)
+    with Client(fake_systemd.sock_path) as c:
+        assert c.list()[0]["state"] == "loading"
+        waiter, out = in_thread(lambda: c.acquire("m"))
+        waiter.join(0.5)
+        assert waiter.is_alive(), out
+        gate.touch()
+        waiter.join(30)
+        with out["result"] as lease:
+            assert same(lease.tensors["w"], tensors["w"])
+    log = fake_systemd.log.read_text()
+    [line] = [line for line in log.splitlines() if "fd store: dropping m:" in line]
+    assert "not aligned or outside the arena" in line
+    assert log.count("loading m:") == 2
+    fake_systemd.pump()
+    assert parked <= {m["FDNAME"] for m in fake_systemd.messages if m.get("FDSTOREREMOVE") == "1"}
+    assert fake_systemd.stop() == 0
+
+
+def test_a_published_entry_that_fails_the_check_is_not_served(fake_systemd, tmp_path):
+    """No checkpoint to fall back on: a client waiting for it is told it went away."""
+    cfg = config(tmp_path, {})
+    fake_systemd.start(cfg)
+    with Client(fake_systemd.sock_path) as c:
+        name = c.publish(WeightCacheKey(model="p", transform="test"), {"w": torch.arange(1024, dtype=torch.float32)})
+        fake_systemd.wait_for("FDSTORE", "1")
+    assert fake_systemd.stop() == 0
+    rewrite_record(fake_systemd, misalign_first_tensor)
+    env, gate = gated_checks(tmp_path)
+    fake_systemd.start(cfg, env=env)
+    with Client(fake_systemd.sock_path) as c:
+        waiter, out = in_thread(lambda: c.acquire(name))
+        waiter.join(0.5)
+        assert waiter.is_alive(), out
+        gate.touch()
+        waiter.join(30)
+        assert isinstance(out.get("error"), NotFound) and "went away" in str(out["error"]), out
+        assert c.list() == []
+    assert f"fd store: dropping {name}: tensor 'w'" in fake_systemd.log.read_text()
+    fake_systemd.pump()
+    assert fake_systemd.store == {}
     assert fake_systemd.stop() == 0

@@ -12,7 +12,7 @@ from wcd import DISTRIBUTION
 from wcd.arenas.base import HOST_DEVICE, Arena, ArenaBackend, ArenaWriter, DeviceInfo
 from wcd.errors import BadRequest, DeviceUnavailable
 
-__all__ = ["Arena", "ArenaBackend", "ArenaWriter", "DeviceInfo", "backend_for", "is_gpu_device"]
+__all__ = ["Arena", "ArenaBackend", "ArenaWriter", "DeviceInfo", "backend_for", "is_gpu_device", "loaded_backends"]
 
 _backends: dict[str, ArenaBackend] = {}
 
@@ -45,6 +45,11 @@ def backend_for(device: str) -> ArenaBackend:
             raise BadRequest(f"unknown device {device!r}: use \"cpu\", \"cuda:N\" or a GPU UUID (GPU-...)")
         _backends[kind] = backend
     return backend
+
+
+def loaded_backends() -> list[ArenaBackend]:
+    """The backends this process has used so far (and so may hold staging)."""
+    return list(_backends.values())
 
 
 def cuda_requirement() -> str:

@@ -45,6 +45,11 @@ class ArenaWriter(ABC):
             self.copy_from_file(fd, file_offset, arena_offset + rel, n)
             file_offset += n
 
+    def hint(self, fd: int, cached_fraction: float) -> None:
+        """How much of the file `fd` (0..1) is in the page cache, told before any copy from it;
+        writers may read cold files differently. This default ignores it."""
+        return None
+
     @abstractmethod
     def close(self) -> None:
         """Wait for outstanding copies and release staging resources."""
@@ -150,6 +155,11 @@ class Arena(ABC):
         if now:
             self._release()
 
+    def check_adopted(self) -> None:  # noqa: B027 - does nothing unless a backend overrides it
+        """The part of `ArenaBackend.adopt`'s validation too slow for start-up (CUDA: it needs a
+        context); run in a worker after READY and before the arena is served. `BadRequest` if the
+        arena is not what its record says. Backends whose `adopt` checks everything do nothing."""
+
     def reader(self) -> ArenaReader:
         """A reader with its own reusable buffer, for one thread (used by `verify`, under `in_use`)."""
         return ArenaReader(self)
@@ -180,4 +190,18 @@ class ArenaBackend(ABC):
 
     @abstractmethod
     def adopt(self, fd: int, device: str, size: int, label: str) -> Arena:
-        """Take over an exported arena fd (from systemd's fd store after a restart); validates it."""
+        """Take over an exported arena fd (from systemd's fd store after a restart) and validate
+        what can be checked in microseconds; `Arena.check_adopted` does the rest."""
+
+    def prepare(self, device: str, workers: int) -> None:
+        """Get `device` ready for a load about to start, `workers` threads wide (blocking; from a
+        thread). What it sets up lingers like a load's staging. This default has nothing to do."""
+        return None
+
+    def configure(self, linger_s: float) -> None:
+        """How long staging (and a GPU's context) stays after the last load; 0 releases it at once."""
+        return None
+
+    def release(self) -> None:
+        """Release lingering staging now (daemon shutdown)."""
+        return None

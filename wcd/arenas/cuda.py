@@ -9,6 +9,7 @@ CUDA_VISIBLE_DEVICES finds the same GPU. Needs the `cuda` extra (cuda-bindings),
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -25,11 +26,20 @@ from wcd.errors import BadRequest, DeviceUnavailable, Internal, OutOfMemory
 from wcd.manifest import align_up
 
 POSIX_FD = cuda.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-# Per pinned staging buffer. Small on purpose: pinning host memory cost ~0.6 s per GiB on the H200
-# machine here, and 8 threads x 2 x 4 MiB gave the fastest whole fill of an 8 GB checkpoint
-# (17 GB/s, against 13 GB/s with 8 MiB and 11 GB/s with 16 MiB buffers).
-STAGING_BYTES = 4 << 20
-STAGING_BUFFERS = 2  # per loader thread: read into one while the other is being copied
+# Pinned staging buffers, two per loader thread (read into one while the other is being copied).
+# Files mostly in the page cache are read WARM_READ_BYTES at a time: on the H200 machine here 16
+# threads x 4 MiB reads filled 16 GB at 46 GB/s (8 MiB: 41, 16 MiB: 37; cache-sized copies win).
+# Files mostly not in it are read COLD_READ_BYTES at a time: 16 MiB reads from 16 threads read that
+# disk at 1.89 GB/s, against 1.44 GB/s with 8 x 4 MiB and at most 1.65 GB/s with O_DIRECT.
+STAGING_BYTES = WARM_READ_BYTES = 4 << 20  # grown to COLD_READ_BYTES by a lane's first cold read
+STAGING_BUFFERS = 2
+COLD_READ_BYTES = 16 << 20
+WARM_FRACTION = 0.9  # a file with at least this much in the page cache is read as warm
+DROP_FRACTION = 0.02  # below this (the header and fingerprint samples this load read), it was not cached
+# Lanes (a stream and its pinned buffers) kept per GPU between loads, and for how long after the
+# last load by default; `configure` sets the latter from the daemon's config.
+POOLED_LANES = 32
+LINGER_S = 30.0
 _SUCCESS = cuda.CUresult.CUDA_SUCCESS
 _BAD_DEVICE = (cuda.CUresult.CUDA_ERROR_INVALID_DEVICE, cuda.CUresult.CUDA_ERROR_NO_DEVICE)
 # cuda-bindings 12.9 (the cuda extra's range) runs on R525 and later drivers.
@@ -168,18 +178,34 @@ class _Lane:
             flags = cuda.CUevent_flags.CU_EVENT_DISABLE_TIMING | cuda.CUevent_flags.CU_EVENT_BLOCKING_SYNC
             for _ in range(count):
                 self.events.append(_check(cuda.cuEventCreate(flags), "cuEventCreate"))
-                self.ptrs.append(int(_check(cuda.cuMemHostAlloc(nbytes, 0), "cuMemHostAlloc")))
-                # ctypes only to view the pinned bytes as a buffer that preadv can fill (no bindings).
-                self.views.append(memoryview((ctypes.c_char * nbytes).from_address(self.ptrs[-1])).cast("B"))
+            self._pin(nbytes, count)
         except BaseException:
             self.close()
             raise
 
-    def copy(self, fd: int, file_offset: int, dst: int, nbytes: int) -> None:
+    def _pin(self, nbytes: int, count: int) -> None:
+        for _ in range(count):
+            self.ptrs.append(int(_check(cuda.cuMemHostAlloc(nbytes, 0), "cuMemHostAlloc")))
+            # ctypes only to view the pinned bytes as a buffer that preadv can fill (no bindings).
+            self.views.append(memoryview((ctypes.c_char * nbytes).from_address(self.ptrs[-1])).cast("B"))
+        self.nbytes = nbytes
+
+    def _grow(self, nbytes: int) -> None:
+        """Replace the buffers with larger ones (pinning costs ~0.4 s per GiB: only cold reads need it)."""
+        self.synchronize()
+        views, ptrs, self.views, self.ptrs = self.views, self.ptrs, [], []
+        _cleanup(*(v.release for v in views),
+                 *(lambda p=p: _check(cuda.cuMemFreeHost(p), "cuMemFreeHost") for p in ptrs))
+        self._pin(nbytes, len(self.events))
+
+    def copy(self, fd: int, file_offset: int, dst: int, nbytes: int, read_bytes: int) -> None:
+        """Copy `nbytes` of `fd` to device address `dst`, `read_bytes` per read."""
+        if read_bytes > self.nbytes:
+            self._grow(read_bytes)
         while nbytes:
             i, self.turn = self.turn, (self.turn + 1) % len(self.ptrs)
             _check(cuda.cuEventSynchronize(self.events[i]), "cuEventSynchronize")
-            n = min(nbytes, self.nbytes)
+            n = min(nbytes, read_bytes)
             pread_into(fd, self.views[i][:n], file_offset)
             _check(cuda.cuMemcpyHtoDAsync(dst, self.ptrs[i], n, self.stream), "cuMemcpyHtoDAsync")
             _check(cuda.cuEventRecord(self.events[i], self.stream), "cuEventRecord")
@@ -201,6 +227,9 @@ class _Lane:
         _check(cuda.cuEventRecord(self.events[i], self.stream), "cuEventRecord")
         return True
 
+    def synchronize(self) -> None:
+        _check(cuda.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+
     def close(self) -> None:
         views, ptrs, events, self.views, self.ptrs, self.events = self.views, self.ptrs, self.events, [], [], []
         _cleanup(
@@ -212,28 +241,149 @@ class _Lane:
         )
 
 
-class CudaWriter(ArenaWriter):
-    """Fills an arena from files: each loader thread preads into its pinned staging buffers and
-    copies them to the arena (mapped read-write here for the fill) on its own stream."""
+class Staging:
+    """A GPU's loading resources, kept between loads: its retained primary context and a pool of
+    lanes (a stream and pinned buffers each).
 
-    def __init__(self, arena: CudaArena, staging_bytes: int, staging_buffers: int) -> None:
+    Creating a context and pinning host memory is most of a load's fixed cost, so writers `open`
+    this and take lanes from it instead. When the last writer closes, the lanes and the context
+    stay `linger_s` seconds for the next load (0: released at once; inf: for the daemon's life),
+    then are released: the daemon holds no CUDA context while it is not loading.
+    """
+
+    def __init__(self, gpu: Gpu, lane_bytes: int, lane_buffers: int, linger_s: float) -> None:
+        self.gpu = gpu
+        self.linger_s = linger_s
+        self._lane_shape = (lane_bytes, lane_buffers)
+        self._lock = threading.Lock()
+        self._lane_made = threading.Condition(self._lock)
+        self._ctx: Any = None
+        self._users = 0
+        self._free: list[_Lane] = []
+        self._making = 0  # lanes `prepare` is making: a load's threads wait for those first
+        self._timer: threading.Timer | None = None
+
+    def open(self) -> Any:
+        """Hold the context (retained now if it is not) for one writer; pair with `close`."""
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            if self._ctx is None:
+                self._ctx = retain_context(self.gpu)
+            self._users += 1
+            return self._ctx
+
+    def take(self) -> _Lane:
+        """A lane for the calling thread: pooled, one `prepare` is making, or made now (the context
+        is current). Waiting for prepared lanes keeps a load's threads from pinning memory beside
+        `prepare` (pinning serialises in the driver: twice the lanes would take twice as long)."""
+        with self._lock:
+            while not self._free and self._making:
+                self._lane_made.wait()
+            if self._free:
+                return self._free.pop()
+        return _Lane(*self._lane_shape)
+
+    def give(self, lanes: list[_Lane]) -> None:
+        """Lanes back from a writer whose copies have all finished (context current); extras are closed."""
+        with self._lock:
+            keep = max(0, POOLED_LANES - len(self._free))
+            self._free += lanes[:keep]
+            extra = lanes[keep:]
+        _cleanup(*(lane.close for lane in extra))
+
+    def close(self) -> None:
+        """One writer done: release everything once no writer is left and `linger_s` has passed."""
+        with self._lock:
+            self._users -= 1
+            if self._users or self._ctx is None or self.linger_s == math.inf:
+                return
+            if self.linger_s > 0:
+                self._timer = threading.Timer(self.linger_s, self.release)
+                self._timer.daemon = True
+                self._timer.start()
+                return
+        self.release()
+
+    def release(self) -> None:
+        """Close the pooled lanes and release the context, unless a writer holds it."""
+        with self._lock:
+            if self._users or self._ctx is None:
+                return
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            ctx, lanes, self._ctx, self._free = self._ctx, self._free, None, []
+        try:
+            with current(ctx):
+                _cleanup(*(lane.close for lane in lanes))
+        finally:
+            release_context(self.gpu)
+
+    def prepare(self, lanes: int) -> None:
+        """Retain the context and have `lanes` lanes pooled ahead of a load (they linger like a load's)."""
+        ctx = self.open()
+        try:
+            with self._lock:
+                todo = max(0, lanes - len(self._free))
+                self._making += todo
+            with current(ctx):
+                for made in range(todo):
+                    try:
+                        lane = _Lane(*self._lane_shape)
+                    except BaseException:
+                        with self._lock:
+                            self._making -= todo - made
+                            self._lane_made.notify_all()
+                        raise
+                    with self._lock:
+                        self._making -= 1
+                        self._free.append(lane)
+                        self._lane_made.notify()
+        finally:
+            self.close()
+
+    @property
+    def held(self) -> bool:
+        return self._ctx is not None
+
+
+class CudaWriter(ArenaWriter):
+    """Fills an arena from files: each loader thread preads into its lane's pinned buffers and
+    copies them to the arena (mapped read-write here for the fill) on the lane's stream.
+
+    Files mostly in the page cache are read in cache-sized pieces; the others in large reads. A
+    file that was not in the page cache at all is dropped from it again when the writer closes:
+    once per file, because dropping each range as it was read made the H200 machine's cold fill
+    20% slower (1.63 against 2.06 GB/s in one run), and O_DIRECT read that disk slower still.
+    """
+
+    def __init__(self, arena: CudaArena, staging: Staging) -> None:
         self._gpu, self._size = arena._gpu, arena.size
-        self._staging = (staging_bytes, staging_buffers)
+        self._staging = staging
         self._lanes: list[_Lane] = []
         self._local = threading.local()
         self._lock = threading.Lock()
-        self._ctx = retain_context(self._gpu)
+        self._reads: dict[int, int] = {}  # fd -> bytes per read
+        self._drop: set[int] = set()  # fds to drop from the page cache at close
+        self._ctx = staging.open()
         try:
             with current(self._ctx):
                 self._map = VaMapping(arena._handle, self._gpu, arena.size, writable=True)
         except BaseException:
-            release_context(self._gpu)
+            staging.close()
             raise
+
+    def hint(self, fd: int, cached_fraction: float) -> None:
+        self._reads[fd] = WARM_READ_BYTES if cached_fraction >= WARM_FRACTION else COLD_READ_BYTES
+        if cached_fraction < DROP_FRACTION:
+            self._drop.add(fd)
 
     def _lane(self) -> _Lane:
         lane: _Lane | None = getattr(self._local, "lane", None)
         if lane is None:
-            lane = self._local.lane = _Lane(*self._staging)
+            lane = self._local.lane = self._staging.take()
             with self._lock:
                 self._lanes.append(lane)
         return lane
@@ -251,7 +401,7 @@ class CudaWriter(ArenaWriter):
 
     def copy_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int) -> None:
         dst = self._target(arena_offset, nbytes)
-        self._lane().copy(fd, file_offset, dst, nbytes)
+        self._lane().copy(fd, file_offset, dst, nbytes, self._reads.get(fd, WARM_READ_BYTES))
 
     def copy_scattered(self, fd: int, file_offset: int, arena_offset: int, nbytes: int,
                        pieces: tuple[tuple[int, int], ...]) -> None:
@@ -262,13 +412,16 @@ class CudaWriter(ArenaWriter):
     def close(self) -> None:
         with self._lock:
             lanes, self._lanes = self._lanes, []
+            drop, self._drop = self._drop, set()
             if self._map.ptr == 0:
                 return
         try:
             with current(self._ctx):
-                _cleanup(*(lane.close for lane in lanes), self._map.close)
+                _cleanup(*(lane.synchronize for lane in lanes), self._map.close,
+                         *(lambda fd=fd: os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED) for fd in drop))
+                self._staging.give(lanes)
         finally:
-            release_context(self._gpu)
+            self._staging.close()
 
 
 class CudaReader(ArenaReader):
@@ -304,8 +457,9 @@ class CudaReader(ArenaReader):
 class CudaArena(Arena):
     kind = "cuda"
 
-    def __init__(self, gpu: Gpu, size: int, handle: Any, fd: int, staging: tuple[int, int]) -> None:
+    def __init__(self, gpu: Gpu, size: int, handle: Any, fd: int, staging: Staging, label: str) -> None:
         """Owns `handle` (an allocation handle) and `fd` (its exported POSIX fd) from now on."""
+        self.label = label  # the entry's name, for messages
         self.device = gpu.uuid
         self.size = size
         self._gpu = gpu
@@ -320,10 +474,25 @@ class CudaArena(Arena):
         return self._fd
 
     def writer(self) -> CudaWriter:
-        return CudaWriter(self, *self._staging)
+        return CudaWriter(self, self._staging)
 
     def seal(self) -> None:
         """Nothing to do: readers map CUDA arenas read-only (CU_MEM_ACCESS_FLAGS_PROT_READ)."""
+
+    def check_adopted(self) -> None:
+        """An adopted allocation holds at least `size` bytes: no size query exists for a handle, and
+        mapping `size` bytes fails if it is smaller. Mapping needs a context: the GPU's staging
+        context (`Staging.open`), so the checks of every entry re-adopted on one GPU, and the loads
+        after them, create it once; it lingers like a load's."""
+        ctx = self._staging.open()
+        try:
+            with current(ctx):
+                VaMapping(self._handle, self._gpu, self.size, writable=False).close()
+        except Internal as e:
+            raise BadRequest(f"{self.label}: the arena is smaller than the {self.size} bytes its record says "
+                             f"({e})") from None
+        finally:
+            self._staging.close()
 
     def _source(self, offset: int, nbytes: int) -> tuple[Any, int]:
         """(context, device address) of an arena range for reading. The first call maps the arena
@@ -377,9 +546,38 @@ class CudaArena(Arena):
 
 
 class CudaBackend(ArenaBackend):
-    def __init__(self, staging_bytes: int = STAGING_BYTES, staging_buffers: int = STAGING_BUFFERS) -> None:
+    def __init__(self, staging_bytes: int = STAGING_BYTES, staging_buffers: int = STAGING_BUFFERS,
+                 linger_s: float = LINGER_S) -> None:
         gpus()  # fail early, with one clear line, when there is no driver
-        self._staging = (staging_bytes, staging_buffers)
+        self._shape = (staging_bytes, staging_buffers)
+        self._linger_s = linger_s
+        self._stagings: dict[int, Staging] = {}
+        self._lock = threading.Lock()
+
+    def staging(self, gpu: Gpu) -> Staging:
+        with self._lock:
+            staging = self._stagings.get(gpu.ordinal)
+            if staging is None:
+                staging = self._stagings[gpu.ordinal] = Staging(gpu, *self._shape, self._linger_s)
+            return staging
+
+    def configure(self, linger_s: float) -> None:
+        """How long a GPU's context and staging stay after its last load (the daemon's config)."""
+        with self._lock:
+            self._linger_s = linger_s
+            stagings = list(self._stagings.values())
+        for staging in stagings:
+            staging.linger_s = linger_s
+
+    def prepare(self, device: str, lanes: int) -> None:
+        """Ready `device` for a load about to start (blocking: call it from a thread)."""
+        self.staging(find_gpu(device)).prepare(lanes)
+
+    def release(self) -> None:
+        """Release every GPU's lingering context and staging now (daemon shutdown)."""
+        with self._lock:
+            stagings = list(self._stagings.values())
+        _cleanup(*(s.release for s in stagings))
 
     def canonical(self, device: str) -> str:
         return find_gpu(device).uuid
@@ -402,11 +600,13 @@ class CudaBackend(ArenaBackend):
         except BaseException:
             cuda.cuMemRelease(handle)
             raise
-        return CudaArena(gpu, size, handle, fd, self._staging)
+        return CudaArena(gpu, size, handle, fd, self.staging(gpu), label)
 
     def adopt(self, fd: int, device: str, size: int, label: str) -> CudaArena:
         """Take over an exported arena fd (systemd's fd store after a restart). Checks that it is a
-        CUDA allocation on `device` holding at least `size` bytes; the fd is left open on failure."""
+        CUDA allocation on `device`, without a CUDA context (retaining one creates it: ~0.25 s on an
+        H200, which the daemon must not spend before READY); whether it holds `size` bytes is
+        `CudaArena.check_adopted`'s question. The fd is left open on failure."""
         gpu = find_gpu(device)
         try:
             handle = _check(cuda.cuMemImportFromShareableHandle(fd, POSIX_FD), "cuMemImportFromShareableHandle")
@@ -416,19 +616,10 @@ class CudaBackend(ArenaBackend):
             prop = _check(cuda.cuMemGetAllocationPropertiesFromHandle(handle), "cuMemGetAllocationPropertiesFromHandle")
             if prop.location.id != gpu.ordinal:
                 raise BadRequest(f"{label}: the arena lives on cuda:{prop.location.id}, its record says {gpu.label}")
-            # No size query exists for a handle: mapping `size` bytes fails if the allocation is smaller.
-            ctx = retain_context(gpu)
-            try:
-                with current(ctx):
-                    VaMapping(handle, gpu, size, writable=False).close()
-            except Internal as e:
-                raise BadRequest(f"{label}: the arena is smaller than the {size} bytes its record says ({e})") from None
-            finally:
-                release_context(gpu)
         except BaseException:
             cuda.cuMemRelease(handle)
             raise
-        return CudaArena(gpu, size, handle, fd, self._staging)
+        return CudaArena(gpu, size, handle, fd, self.staging(gpu), label)
 
     def info(self, device: str) -> DeviceInfo:
         """Device memory from NVML when cuda-bindings ships it (no CUDA context in the daemon); else

@@ -1,0 +1,91 @@
+"""Admission CPU cost per phase (issue 14 item 4b): what the daemon does in Python before and
+around the copy of a checkpoint, for few and many tensors of the same bytes.
+
+Phases: `Checkpoint.open` (header parse and validation), `fingerprint`, `manifest()`,
+`copy_plan`, and `grouped()` (the wire layout, built at the first acquire), each the median of
+`--reps` runs; `json` is the bare `json.loads` of the headers with cyclic GC off, the floor the
+parse is compared with. Checkpoints are bench_load's synthetic BF16 shards (written once).
+
+    python bench/bench_admit.py --dir /var/tmp/wcd-admit --ckpt 1.6:1000 --ckpt 1.6:100000
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_load import write_checkpoint  # noqa: E402
+
+from wcd import key  # noqa: E402
+from wcd.checkpoint import Checkpoint  # noqa: E402
+
+
+def bare_json(files: list[Path]) -> None:
+    raws = []
+    for f in files:
+        with open(f, "rb") as src:
+            raws.append(src.read(int.from_bytes(src.read(8), "little")))
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        for raw in raws:
+            json.loads(raw)
+    finally:
+        if was:
+            gc.enable()
+
+
+def phases(d: Path, files: list[Path]) -> dict[str, float]:
+    out: dict[str, float] = {}
+
+    def timed(name: str, f: Callable[[], Any]) -> Any:
+        start = time.perf_counter()
+        result = f()
+        out[name] = time.perf_counter() - start
+        return result
+
+    timed("json", lambda: bare_json(files))
+    with timed("open", lambda: Checkpoint.open(d)) as ckpt:
+        timed("fingerprint", lambda: key.fingerprint(ckpt))
+        manifest = timed("manifest", ckpt.manifest)
+        timed("copy_plan", lambda: ckpt.copy_plan(manifest))
+        timed("grouped", manifest.grouped)
+    out["admission"] = out["open"] + out["manifest"] + out["copy_plan"] + out["grouped"]
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dir", type=Path, default=Path(os.environ.get("TMPDIR", "/var/tmp")) / "wcd-admit")
+    p.add_argument("--ckpt", action="append", metavar="GB:TENSORS", help="default: 1.6:1000 and 1.6:100000")
+    p.add_argument("--shards", type=int, default=4)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    results = []
+    for spec in args.ckpt or ["1.6:1000", "1.6:100000"]:
+        gb, tensors = spec.split(":")
+        d = args.dir / f"{gb}gb-{tensors}"
+        files = write_checkpoint(d, int(float(gb) * 1e9), int(tensors), args.shards)
+        runs = [phases(d, files) for _ in range(args.reps)]
+        median = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        results.append({"gb": float(gb), "tensors": int(tensors), "median_s": median})
+        print(f"{tensors:>7} tensors: " + "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in median.items())
+              + f"  (admission / json: {median['admission'] / median['json']:.2f})")
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

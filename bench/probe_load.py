@@ -1,0 +1,334 @@
+"""Load probe (issue 14): the GPU machine's ceilings and the loader's knobs, measured in one run.
+
+What `bench_load.py` cannot tell apart, measured piece by piece so that the loader's design
+rests on numbers:
+  - fixed costs of a load: `cuInit`, creating the primary context (and the device memory it
+    holds), allocating pinned staging, in a fresh process;
+  - warm fills through the daemon's own `CudaWriter`, swept over loader threads and staging
+    sizes: first pass (staging allocated on the clock) and second pass (staging reused);
+  - registering page-cache pages (`cuMemHostRegister` of a file mmap) as an alternative to staging;
+  - cold reads (page cache dropped) swept over threads, read size, O_DIRECT and fadvise;
+  - hash and compare rates, per thread and all threads (what `verify` can reach);
+  - device -> pinned host copies from many threads.
+
+    python bench/probe_load.py --dir /tmp/wcd-bench-load --out probe.json    # root, one GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import functools
+import hashlib
+import json
+import mmap
+import os
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.bench_load import drop_caches, warm, write_checkpoint  # noqa: E402
+
+_FIXED = r"""
+import json, time
+t0 = time.perf_counter()
+from cuda.bindings import driver as cu
+t1 = time.perf_counter(); cu.cuInit(0); t2 = time.perf_counter()
+import os, subprocess
+def used():  # this process's device memory, MiB, as nvidia-smi reports it
+    q = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                       capture_output=True, text=True).stdout
+    return sum(int(m) for p, m in (line.split(",") for line in q.splitlines() if line.strip()) if int(p) == os.getpid())
+used0 = used()
+t3 = time.perf_counter(); err, ctx = cu.cuDevicePrimaryCtxRetain(0); t4 = time.perf_counter()
+cu.cuCtxSetCurrent(ctx)
+used1 = used()
+out = {"import_bindings_s": t1 - t0, "cuInit_s": t2 - t1, "ctx_create_s": t4 - t3, "ctx_device_MiB": used1 - used0}
+for mb in (64, 256, 1024):
+    t = time.perf_counter(); err, p = cu.cuMemHostAlloc(mb << 20, 0); a = time.perf_counter() - t
+    t = time.perf_counter(); cu.cuMemFreeHost(p); f = time.perf_counter() - t
+    out[f"pinned_alloc_{mb}MiB_s"] = a; out[f"pinned_free_{mb}MiB_s"] = f
+err, s = cu.cuStreamCreate(1); t = time.perf_counter()
+for _ in range(16):
+    cu.cuStreamCreate(1)
+out["stream_create_s"] = (time.perf_counter() - t) / 16
+t = time.perf_counter(); cu.cuDevicePrimaryCtxRelease(0); out["ctx_release_s"] = time.perf_counter() - t
+print(json.dumps(out))
+"""
+
+
+def fixed_costs() -> dict[str, object]:
+    r = subprocess.run([sys.executable, "-c", _FIXED], capture_output=True, text=True, timeout=120)
+    if r.returncode:
+        return {"error": r.stderr.strip().splitlines()[-1:]}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def warm_sweep(ckpt_dir: Path, configs: list[tuple[int, int, int]]) -> list[dict[str, object]]:
+    """Fill one arena through the daemon's CudaWriter per (threads, staging MiB, buffers)."""
+    from wcd.arenas import cuda
+    from wcd.checkpoint import Checkpoint
+
+    gpu = cuda.find_gpu("cuda:0")
+    hold = cuda.retain_context(gpu)  # held across the sweep: context creation is measured apart
+    out = []
+    with Checkpoint.open(ckpt_dir) as ckpt:
+        manifest = ckpt.manifest()
+        ops = ckpt.copy_plan(manifest)
+        nbytes = ckpt.nbytes
+        for threads, mib, buffers in configs:
+            backend = cuda.CudaBackend(mib << 20, buffers)
+            arena = backend.create("cuda:0", manifest.size, "probe")
+            try:
+                t0 = time.perf_counter()
+                writer = arena.writer()
+                t1 = time.perf_counter()
+                with ThreadPoolExecutor(threads) as pool:
+                    passes = []
+                    for _ in range(2):  # first: staging allocated on the clock; second: reused
+                        t = time.perf_counter()
+                        list(pool.map(functools.partial(_run_op, writer, ckpt.fds), ops))
+                        cuda._check(cuda.cuda.cuCtxSetCurrent(hold), "set")
+                        cuda._check(cuda.cuda.cuCtxSynchronize(), "sync")
+                        passes.append(time.perf_counter() - t)
+                t2 = time.perf_counter()
+                writer.close()
+                t3 = time.perf_counter()
+            finally:
+                arena.close()
+            row = {"threads": threads, "staging_MiB": mib, "buffers": buffers, "writer_open_s": t1 - t0,
+                   "fill_first_s": passes[0], "fill_reused_s": passes[1], "close_s": t3 - t2,
+                   "GBps_first": nbytes / passes[0] / 1e9, "GBps_reused": nbytes / passes[1] / 1e9}
+            print(json.dumps(row), flush=True)
+            out.append(row)
+    cuda.release_context(gpu)
+    return out
+
+
+def cold_fills(ckpt_dir: Path, threads: int) -> list[dict[str, object]]:
+    """Fills through the daemon's CudaWriter after dropping the page cache, with each read policy
+    forced by its hint: warm (4 MiB reads), cold (16 MiB reads) dropping what it read, and cold keeping it."""
+    from wcd.arenas import cuda
+    from wcd.checkpoint import Checkpoint
+    from wcd.loader import cached_fraction
+
+    gpu = cuda.find_gpu("cuda:0")
+    cuda.retain_context(gpu)  # held across the fills: context creation is measured apart
+    backend = cuda.CudaBackend()
+    out = []
+    try:
+        for policy, fraction in (("warm reads", 1.0), ("cold, dropped", 0.0), ("cold, kept", 0.5)):
+            drop_caches()
+            with Checkpoint.open(ckpt_dir) as ckpt:
+                manifest = ckpt.manifest()
+                ops = ckpt.copy_plan(manifest)
+                arena = backend.create("cuda:0", manifest.size, "probe")
+                try:
+                    t = time.perf_counter()
+                    writer = arena.writer()
+                    for fd in ckpt.fds:
+                        writer.hint(fd, fraction)
+                    with ThreadPoolExecutor(threads) as pool:
+                        list(pool.map(functools.partial(_run_op, writer, ckpt.fds), ops))
+                    writer.close()
+                    seconds = time.perf_counter() - t
+                    after = sum(cached_fraction(fd) for fd in ckpt.fds) / len(ckpt.fds)
+                finally:
+                    arena.close()
+                row = {"policy": policy, "threads": threads, "seconds": seconds, "GBps": ckpt.nbytes / seconds / 1e9,
+                       "cached_after": after}
+            print(json.dumps(row), flush=True)
+            out.append(row)
+    finally:
+        backend.release()
+        cuda.release_context(gpu)
+    return out
+
+
+def _run_op(writer: Any, fds: tuple[int, ...], op: Any) -> None:
+    if op.pieces:
+        writer.copy_scattered(fds[op.shard], op.file_offset, op.arena_offset, op.nbytes, op.pieces)
+    else:
+        writer.copy_from_file(fds[op.shard], op.file_offset, op.arena_offset, op.nbytes)
+
+
+def host_register(file: Path) -> dict[str, object]:
+    """cuMemHostRegister (read-only) of a page-cached file's shared mmap, then one H2D copy from it."""
+    from cuda.bindings import driver as cu
+
+    from wcd.arenas import cuda
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    gpu = cuda.find_gpu("cuda:0")
+    ctx = cuda.retain_context(gpu)
+    cu.cuCtxSetCurrent(ctx)
+    size = file.stat().st_size // (2 << 20) * (2 << 20)
+    fd = os.open(file, os.O_RDONLY)
+    addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    os.close(fd)
+    out: dict[str, object] = {"bytes": size}
+    try:
+        t = time.perf_counter()
+        err, = cu.cuMemHostRegister(addr, size, 0x08)  # CU_MEMHOSTREGISTER_READ_ONLY
+        out["register_s"] = time.perf_counter() - t
+        out["register_err"] = getattr(err, "name", str(err))
+        if err == cu.CUresult.CUDA_SUCCESS:
+            err, dst = cu.cuMemAlloc(size)
+            t = time.perf_counter()
+            cu.cuMemcpyHtoD(dst, addr, size)
+            out["h2d_s"] = time.perf_counter() - t
+            out["h2d_GBps"] = size / out["h2d_s"] / 1e9  # type: ignore[operator]
+            t = time.perf_counter()
+            cu.cuMemHostUnregister(addr)
+            out["unregister_s"] = time.perf_counter() - t
+            cu.cuMemFree(dst)
+    finally:
+        libc.munmap(addr, size)
+        cuda.release_context(gpu)
+    return out
+
+
+def cold_read(files: list[Path], threads: int, chunk: int, direct: bool, fadvise: bool,
+              interleave: bool) -> float:
+    """GB/s of reading `files` whole after dropping the page cache."""
+    drop_caches()
+    flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
+    fds = [os.open(f, flags) for f in files]
+    try:
+        if fadvise:
+            for fd in fds:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        sizes = [os.fstat(fd).st_size for fd in fds]
+        per_file = [[(i, pos) for pos in range(0, size, chunk)] for i, size in enumerate(sizes)]
+        if interleave:
+            jobs = [j for group in zip(*per_file) for j in group]
+        else:
+            jobs = [j for group in per_file for j in group]
+        local = threading.local()
+
+        def one(job: tuple[int, int]) -> int:
+            i, pos = job
+            buf = getattr(local, "buf", None)
+            if buf is None:
+                buf = local.buf = mmap.mmap(-1, chunk)
+            n = min(chunk, sizes[i] - pos)
+            if direct:
+                n = -(-n // 4096) * 4096
+            return os.preadv(fds[i], [memoryview(buf)[:n]], pos)
+
+        start = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            total = sum(pool.map(one, jobs))
+        return total / (time.perf_counter() - start) / 1e9
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def hashes(threads: int) -> dict[str, float]:
+    """GB/s per thread and with `threads` threads for the digests verify could use, and memcmp."""
+    block = os.urandom(1 << 20) * 64
+    other = bytes(bytearray(block))
+    fns = {
+        "blake2b": lambda b: hashlib.blake2b(b, digest_size=16).digest(),
+        "sha256": lambda b: hashlib.sha256(b).digest(),
+        "sha1": lambda b: hashlib.sha1(b).digest(),
+        "crc32": lambda b: zlib.crc32(b),
+        "memcmp": lambda b: b == other,
+    }
+    out: dict[str, float] = {}
+    for name, fn in fns.items():
+        t = time.perf_counter()
+        fn(block)
+        out[f"{name}_1thread_GBps"] = len(block) / (time.perf_counter() - t) / 1e9
+        bufs = [bytes(bytearray(block)) for _ in range(threads)] if name != "memcmp" else [block] * threads
+        t = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(fn, bufs * 2))
+        out[f"{name}_{threads}threads_GBps"] = 2 * threads * len(block) / (time.perf_counter() - t) / 1e9
+    return out
+
+
+def d2h(threads: int, nbytes: int = 16 << 20, reps: int = 32) -> float:
+    """GB/s of device -> pinned host copies of `nbytes` from `threads` threads at once."""
+    from cuda.bindings import driver as cu
+
+    from wcd.arenas import cuda
+
+    gpu = cuda.find_gpu("cuda:0")
+    ctx = cuda.retain_context(gpu)
+    cu.cuCtxSetCurrent(ctx)
+    err, src = cu.cuMemAlloc(nbytes * threads)
+
+    def one(i: int) -> None:
+        cu.cuCtxSetCurrent(ctx)
+        err, host = cu.cuMemHostAlloc(nbytes, 0)
+        for _ in range(reps):
+            cu.cuMemcpyDtoH(host, int(src) + i * nbytes, nbytes)
+        cu.cuMemFreeHost(host)
+
+    one(0)
+    t = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, range(threads)))
+    seconds = time.perf_counter() - t
+    cu.cuMemFree(src)
+    cuda.release_context(gpu)
+    return threads * reps * nbytes / seconds / 1e9
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", type=Path, default=Path("/tmp/wcd-bench-load"))
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--steps", default="fixed,hashes,d2h,register,warm,cold,coldfill")
+    args = ap.parse_args()
+    steps = set(args.steps.split(","))
+    result: dict[str, object] = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count()}
+
+    def step(name: str, fn, *a):  # type: ignore[no-untyped-def]
+        if name not in steps:
+            return
+        t = time.perf_counter()
+        try:
+            result[name] = fn(*a)
+        except Exception as e:  # noqa: BLE001 - a probe reports and goes on
+            result[name] = {"error": f"{type(e).__name__}: {e}"}
+        print(name, round(time.perf_counter() - t, 1), "s:", json.dumps(result[name])[:2000], flush=True)
+
+    d = args.dir / "16gb-1000"
+    files = write_checkpoint(d, int(16e9), 1000, 4) if steps & {"register", "warm", "cold", "coldfill"} else []
+    step("fixed", fixed_costs)
+    step("hashes", hashes, os.cpu_count() or 2)
+    step("d2h", lambda: {n: d2h(n) for n in (1, 4, 16)})
+    if files:
+        warm(files)
+    step("register", lambda: host_register(files[0]))
+    step("warm", warm_sweep, d, [(8, 4, 2), (16, 4, 2), (16, 8, 2), (16, 16, 2), (16, 4, 3), (12, 8, 2),
+                                       (24, 4, 2), (16, 32, 2)])
+    step("cold", lambda: [
+        {"threads": t, "chunk_MiB": c >> 20, "direct": di, "fadvise": fa, "interleave": il,
+         "GBps": cold_read(files[:2], t, c, di, fa, il)}
+        for t, c, di, fa, il in [(8, 4 << 20, False, False, False), (8, 4 << 20, False, True, False),
+                                 (16, 16 << 20, False, False, False), (16, 16 << 20, False, False, True),
+                                 (8, 16 << 20, True, False, False), (16, 16 << 20, True, False, False),
+                                 (32, 16 << 20, True, False, False), (16, 64 << 20, True, False, True),
+                                 (64, 4 << 20, True, False, True)]])
+    step("coldfill", lambda: cold_fills(d, 16))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
