@@ -54,14 +54,16 @@ def main() -> int:
                         time.sleep(0.002)
                 served.append(time.perf_counter() - start)
                 systemd.stop()
-            adopted = systemd.log.read_text().count("adopted ")
+            text = systemd.log.read_text()
+            adopted = text.count("adopted ")
+            phases = [line.split(" ", 1)[1] for line in text.splitlines() if "after exec:" in line]
         except BaseException:
             print("".join(systemd.log.read_text().splitlines(keepends=True)[-40:]), file=sys.stderr)
             raise
         finally:
             systemd.close()
-    print(json.dumps({"exec_to_ready_s": times, "exec_to_served_s": served, "adopted": adopted,
-                      "checkpoints": [str(p) for p in args.ckpt]}))
+    print(json.dumps({"daemon_says": phases[-args.restarts:], "exec_to_ready_s": times, "exec_to_served_s": served,
+                      "adopted": adopted, "checkpoints": [str(p) for p in args.ckpt]}))
     return 0
 
 

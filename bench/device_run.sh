@@ -53,7 +53,9 @@ write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-100000'), int(1.6e9), 100000, 4
     timeout 500 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 \
       --ckpt 1.6:100000 --cold --reps 2 --out "$OUT/load-small.json" --daemon-log "$OUT/daemon-small.log" 2>&1 \
       | tee "$OUT/load-small.log" | grep -v '"wcd_verify"' | cut -c1-400 | tail -24
-    grep -E "admitting|loaded" "$OUT/daemon-small.log" | cut -c1-300 ;;
+    grep -E "admitting|loaded" "$OUT/daemon-small.log" | cut -c1-300
+    timeout 100 python3 bench/bench_restart.py --device cuda:0 --ckpt /tmp/wcd-bench-load/1.6gb-1000 \
+      --ckpt /tmp/wcd-bench-load/1.6gb-100000 2>&1 | tee "$OUT/restart.log" | tail -5 ;;
   probe)
     timeout 330 python3 bench/probe_load.py --dir /tmp/wcd-bench-load --out "$OUT/probe.json" 2>&1 | tee "$OUT/probe.log"
     python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from bench_load import write_checkpoint

@@ -71,7 +71,9 @@ class Server:
     async def startup(self) -> None:
         loop = asyncio.get_running_loop()
         config = self._config
+        began = time.monotonic()
         budgets, devices = device_budgets(config)
+        counted = time.monotonic()
         cache = Cache(budgets, config.daemon.lease_ttl_s, max_entries=config.daemon.max_entries)
         self.state = ServerState(config, self.instance, cache, devices, self.started_at)
         self.quotas = Quotas(self._limits(config), held_elsewhere=lambda: len(cache.entries))
@@ -88,6 +90,7 @@ class Server:
         # Admit configured models before serving, so an engine that connects at once waits for
         # its model instead of getting not_found; the copies themselves run in the background.
         await asyncio.gather(*(self.residency.admit_configured(m) for m in config.models))
+        admitted = time.monotonic()
         address = config.daemon.metrics_address()
         if address is not None:
             self.metrics_http = MetricsHttp(*address, metrics.render)
@@ -95,6 +98,12 @@ class Server:
         self._listen()
         log.info("wcd %s serving %s (devices: %s)", __version__, self.state.where, ", ".join(budgets))
         self._notify("ready", self.status_line())
+        ready, since_exec = time.monotonic(), _since_exec()
+        log.info("ready %s after exec: until start-up %s (interpreter, imports, config), devices %.3f s, "
+                 "entries %.3f s, listening %.3f s",
+                 "?" if since_exec is None else f"{since_exec:.3f} s",
+                 "?" if since_exec is None else f"{since_exec - (ready - began):.3f} s",
+                 counted - began, admitted - counted, ready - admitted)
         self.residency.start_checks()
         self._spawn(self._report_status())
         interval = systemd.watchdog_interval()
@@ -382,6 +391,16 @@ def _bind_at(path: Path, groups: list[str]) -> socket.socket:
         private.rmdir()
     sock.listen(512)
     return sock
+
+
+def _since_exec() -> float | None:
+    """Seconds since this process started (its start time in /proc, 10 ms ticks); None if unknown."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def run(config: Config, instance: str = "wcd", config_path: Path | None = None,
