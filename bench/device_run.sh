@@ -81,6 +81,18 @@ write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-100000'), int(1.6e9), 100000, 4
       --loaders wcd,fastsafetensors,runai --out "$OUT/load-cold.json" --daemon-log "$OUT/daemon.log" 2>&1 \
       | tee "$OUT/load-cold.log" | grep -v verify | tail -8
     grep -E "admitting|loaded" "$OUT/daemon.log" | cut -c1-300 ;;
+  last)  # GPU tests, restart, then wcd against the best cold peer at 16 GB
+    timeout 120 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
+      | grep -E "FAILED|ERROR|passed|failed|gpu-info\] (staging|primary)" | cut -c1-400
+    python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from bench_load import write_checkpoint
+write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-1000'), int(1.6e9), 1000, 4)
+write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-100000'), int(1.6e9), 100000, 4)"
+    timeout 80 python3 bench/bench_restart.py --device cuda:0 --ckpt /tmp/wcd-bench-load/1.6gb-1000 \
+      --ckpt /tmp/wcd-bench-load/1.6gb-100000 2>&1 | tee "$OUT/restart.log" | tail -3
+    timeout 150 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 16:1000 --cold --reps 1 \
+      --loaders wcd,fastsafetensors --out "$OUT/load-last.json" --daemon-log "$OUT/daemon-last.log" 2>&1 \
+      | tee "$OUT/load-last.log" | grep -v '"wcd_verify"' | cut -c1-300 | tail -6
+    grep -E "admitting|loaded" "$OUT/daemon-last.log" | cut -c1-300 ;;
   bench)
     timeout 560 python3 bench/bench_gpu.py --dir /tmp/wcd-bench-32 --size-gb "${2:-32}" --out "$OUT/bench_gpu.json" \
       2>&1 | tee "$OUT/bench_gpu.log" | grep -v "^\[bench\]" ;;

@@ -76,7 +76,7 @@ def device_budgets(config: Config) -> tuple[dict[str, int], dict[str, str]]:
         backend = backend_for(device)
         canonical = backend.canonical(device)
         devices[device] = canonical
-        budgets[canonical] = parse_size(size, backend.info(canonical).total)
+        budgets[canonical] = parse_size(size, backend.total_memory(canonical))
     return budgets, devices
 
 

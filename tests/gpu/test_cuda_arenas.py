@@ -97,6 +97,8 @@ def test_canonical_names_and_uuid(backend: Any, uuid: str) -> None:
         backend.canonical("GPU-00000000-0000-0000-0000-000000000000")
     info = backend.info("cuda:0")
     assert info.device == uuid and info.name.endswith("(cuda:0)") and 0 < info.free <= info.total
+    total = backend.total_memory("cuda:0")  # cuDeviceTotalMem, what start-up uses: the same memory as NVML's
+    assert abs(total - info.total) <= 0.02 * info.total, (total, info.total)
     print(f"[gpu-info] {info}")
 
 
@@ -265,6 +267,9 @@ def test_staging_lingers_between_loads_and_cold_files_leave_the_page_cache(tmp_p
         res["cached_before"] = cached_fraction(fd)
         b = CudaBackend(linger_s=1.5)
         a = load(b, fd, res["cached_before"])
+        deadline = time.monotonic() + 10  # dropped in the background, after the load
+        while cached_fraction(fd) >= 0.1 and time.monotonic() < deadline:
+            time.sleep(0.05)
         res["cached_after_cold_load"] = cached_fraction(fd)
         res["active_while_lingering"] = active()
         staging = b.staging(find_gpu("cuda:0"))

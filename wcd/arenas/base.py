@@ -188,6 +188,11 @@ class ArenaBackend(ABC):
     @abstractmethod
     def info(self, device: str) -> DeviceInfo: ...
 
+    def total_memory(self, device: str) -> int:
+        """The device's memory in bytes (what fractional budgets are of); backends answer faster
+        than `info` where they can, because start-up asks before READY."""
+        return self.info(device).total
+
     @abstractmethod
     def adopt(self, fd: int, device: str, size: int, label: str) -> Arena:
         """Take over an exported arena fd (from systemd's fd store after a restart) and validate
