@@ -56,7 +56,7 @@ class Progress:
 def default_workers() -> int:
     """Loader threads per load: one per core, 4 to 16 (16 filled an H200 from the page cache at
     46 GB/s, 8 at 44, 24 at 31; 4 on a 2-core VM kept host fills at the plain copy's rate)."""
-    return max(4, min(16, os.cpu_count() or 2))
+    return max(4, min(16, len(os.sched_getaffinity(0))))  # the cores this daemon may run on
 
 
 _RESIDENT = bytes(i & 1 for i in range(256))  # mincore: only the low bit of each byte is defined

@@ -513,9 +513,11 @@ class Residency:
         is loaded again from disk, admitted as the entry goes: acquires waiting for the entry
         wake to find the new one (`wcd.ops.acquire`)."""
         model = next((m for m in self.state.config.models if m.name == entry.name), None)
-        if model is not None and entry.origin == "config" and entry.state != "evicting":
-            await self.admit_configured(model, replacing=entry)
-        self.reclaim(self.cache.load_failed(entry))  # if it was not replaced
+        try:
+            if model is not None and entry.origin == "config" and entry.state != "evicting":
+                await self.admit_configured(model, replacing=entry)
+        finally:
+            self.reclaim(self.cache.load_failed(entry))  # if it was not replaced
 
     def _refingerprint(self, rec: parking.ParkedEntry) -> list[str]:
         """The notes of a checkpoint's parked entry; `BadRequest` if the checkpoint changed since it was
@@ -547,8 +549,8 @@ class Residency:
         for backend in loaded_backends():
             try:
                 backend.release()  # lingering GPU contexts and staging; a fill still running keeps its own
-            except WcdError as e:
-                log.warning("releasing load staging: %s", e.message)
+            except Exception as e:  # noqa: BLE001 - shutting down: say it and go on
+                log.warning("releasing load staging: %s", getattr(e, "message", e))
         return sum(1 for name in self._parked if name in self.cache.entries)
 
 

@@ -9,7 +9,7 @@ CUDA_VISIBLE_DEVICES finds the same GPU. Needs the `cuda` extra (cuda-bindings),
 from __future__ import annotations
 
 import ctypes
-import math
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -25,13 +25,15 @@ from wcd.config import format_size
 from wcd.errors import BadRequest, DeviceUnavailable, Internal, OutOfMemory
 from wcd.manifest import align_up
 
+log = logging.getLogger("wcd")
+
 POSIX_FD = cuda.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 # Pinned staging buffers, two per loader thread (read into one while the other is being copied).
-# Files mostly in the page cache are read WARM_READ_BYTES at a time: on the H200 machine here 16
-# threads x 4 MiB reads filled 16 GB at 46 GB/s (8 MiB: 41, 16 MiB: 37; cache-sized copies win).
-# Files mostly not in it are read COLD_READ_BYTES at a time: 16 MiB reads from 16 threads read that
-# disk at 1.89 GB/s, against 1.44 GB/s with 8 x 4 MiB and at most 1.65 GB/s with O_DIRECT.
-STAGING_BYTES = WARM_READ_BYTES = 4 << 20  # grown to COLD_READ_BYTES by a lane's first cold read
+# Files mostly in the page cache are read one buffer (STAGING_BYTES) at a time: on the H200 machine
+# here 16 threads x 4 MiB reads filled 16 GB at 46 GB/s (8 MiB: 41, 16 MiB: 37; cache-sized copies
+# win). Files mostly not in it are read COLD_READ_BYTES at a time: 16 MiB reads from 16 threads read
+# that disk at 1.89 GB/s, against 1.44 GB/s with 8 x 4 MiB and at most 1.65 GB/s with O_DIRECT.
+STAGING_BYTES = 4 << 20  # a lane's buffers grow to COLD_READ_BYTES at its first cold read
 STAGING_BUFFERS = 2
 COLD_READ_BYTES = 16 << 20
 WARM_FRACTION = 0.9  # a file with at least this much in the page cache is read as warm
@@ -230,6 +232,11 @@ class _Lane:
     def synchronize(self) -> None:
         _check(cuda.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
 
+    @property
+    def whole(self) -> bool:
+        """Every buffer there (a grow that failed part-way leaves some missing: never pool that)."""
+        return bool(self.ptrs) and len(self.ptrs) == len(self.events)
+
     def close(self) -> None:
         views, ptrs, events, self.views, self.ptrs, self.events = self.views, self.ptrs, self.events, [], [], []
         _cleanup(
@@ -286,25 +293,44 @@ class Staging:
         return _Lane(*self._lane_shape)
 
     def give(self, lanes: list[_Lane]) -> None:
-        """Lanes back from a writer whose copies have all finished (context current); extras are closed."""
+        """Lanes back from a writer whose copies have all finished (context current); extras, and
+        lanes left without buffers by a failed grow, are closed."""
+        whole = [lane for lane in lanes if lane.whole]
         with self._lock:
             keep = max(0, POOLED_LANES - len(self._free))
-            self._free += lanes[:keep]
-            extra = lanes[keep:]
-        _cleanup(*(lane.close for lane in extra))
+            self._free += whole[:keep]
+        _cleanup(*(lane.close for lane in whole[keep:] + [lane for lane in lanes if not lane.whole]))
 
     def close(self) -> None:
         """One writer done: release everything once no writer is left and `linger_s` has passed."""
         with self._lock:
             self._users -= 1
-            if self._users or self._ctx is None or self.linger_s == math.inf:
-                return
-            if self.linger_s > 0:
-                self._timer = threading.Timer(self.linger_s, self.release)
-                self._timer.daemon = True
-                self._timer.start()
-                return
-        self.release()
+            now = self._linger_locked()
+        if now:
+            self.release()
+
+    def set_linger(self, linger_s: float) -> None:
+        """A new linger (the config was reloaded); an idle, lingering GPU is rescheduled by it."""
+        with self._lock:
+            self.linger_s = linger_s
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            now = self._linger_locked()
+        if now:
+            self.release()
+
+    def _linger_locked(self) -> bool:
+        """With the lock held and no writer left: start the linger timer; True: release now."""
+        if self._users or self._ctx is None or self._timer is not None:
+            return False
+        if self.linger_s <= 0:
+            return True
+        if self.linger_s < threading.TIMEOUT_MAX:  # larger, or inf: kept for the daemon's life
+            self._timer = threading.Timer(self.linger_s, self.release)
+            self._timer.daemon = True
+            self._timer.start()
+        return False
 
     def release(self) -> None:
         """Close the pooled lanes and release the context, unless a writer holds it."""
@@ -322,27 +348,38 @@ class Staging:
             release_context(self.gpu)
 
     def prepare(self, lanes: int) -> None:
-        """Retain the context and have `lanes` lanes pooled ahead of a load (they linger like a load's)."""
+        """Retain the context and have `lanes` lanes pooled ahead of a load (they linger like a
+        load's): at most POOLED_LANES, counting those pooled and those other prepares are making."""
         ctx = self.open()
+        todo = 0
         try:
             with self._lock:
-                todo = max(0, lanes - len(self._free))
+                todo = max(0, min(lanes, POOLED_LANES) - len(self._free) - self._making)
                 self._making += todo
             with current(ctx):
-                for made in range(todo):
-                    try:
-                        lane = _Lane(*self._lane_shape)
-                    except BaseException:
-                        with self._lock:
-                            self._making -= todo - made
-                            self._lane_made.notify_all()
-                        raise
+                while todo:
+                    lane = _Lane(*self._lane_shape)
                     with self._lock:
                         self._making -= 1
+                        todo -= 1
                         self._free.append(lane)
                         self._lane_made.notify()
         finally:
+            if todo:  # failed part-way: nobody makes the rest, so nobody may wait for them
+                with self._lock:
+                    self._making -= todo
+                    self._lane_made.notify_all()
             self.close()
+
+    @property
+    def warm_read(self) -> int:
+        """Bytes per read from a file in the page cache: one staging buffer."""
+        return self._lane_shape[0]
+
+    @property
+    def cold_read(self) -> int:
+        """Bytes per read from a file not in the page cache (a lane grows its buffers to it)."""
+        return max(self._lane_shape[0], COLD_READ_BYTES)
 
     @property
     def held(self) -> bool:
@@ -366,7 +403,8 @@ class CudaWriter(ArenaWriter):
         self._local = threading.local()
         self._lock = threading.Lock()
         self._reads: dict[int, int] = {}  # fd -> bytes per read
-        self._drop: set[int] = set()  # fds to drop from the page cache at close
+        self._drop: dict[int, tuple[int, int]] = {}  # fd -> inode, to drop from the page cache at close
+        self._inodes: list[tuple[int, int]] = []  # the files this writer reads (`_LOADING`)
         self._ctx = staging.open()
         try:
             with current(self._ctx):
@@ -376,9 +414,14 @@ class CudaWriter(ArenaWriter):
             raise
 
     def hint(self, fd: int, cached_fraction: float) -> None:
-        self._reads[fd] = WARM_READ_BYTES if cached_fraction >= WARM_FRACTION else COLD_READ_BYTES
-        if cached_fraction < DROP_FRACTION:
-            self._drop.add(fd)
+        self._reads[fd] = self._staging.warm_read if cached_fraction >= WARM_FRACTION else self._staging.cold_read
+        inode = _Inodes.key(fd)
+        with self._lock:
+            if inode not in self._inodes:
+                self._inodes.append(inode)
+                _LOADING.add(inode)
+            if cached_fraction < DROP_FRACTION:
+                self._drop[fd] = inode
 
     def _lane(self) -> _Lane:
         lane: _Lane | None = getattr(self._local, "lane", None)
@@ -401,7 +444,7 @@ class CudaWriter(ArenaWriter):
 
     def copy_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int) -> None:
         dst = self._target(arena_offset, nbytes)
-        self._lane().copy(fd, file_offset, dst, nbytes, self._reads.get(fd, WARM_READ_BYTES))
+        self._lane().copy(fd, file_offset, dst, nbytes, self._reads.get(fd, self._staging.warm_read))
 
     def copy_scattered(self, fd: int, file_offset: int, arena_offset: int, nbytes: int,
                        pieces: tuple[tuple[int, int], ...]) -> None:
@@ -412,28 +455,83 @@ class CudaWriter(ArenaWriter):
     def close(self) -> None:
         with self._lock:
             lanes, self._lanes = self._lanes, []
-            drop, self._drop = self._drop, set()
+            drop, self._drop = self._drop, {}
+            inodes, self._inodes = self._inodes, []
             if self._map.ptr == 0:
                 return
         try:
             with current(self._ctx):
-                _cleanup(*(lane.synchronize for lane in lanes), self._map.close)
-                self._staging.give(lanes)
+                failed: list[tuple[_Lane, Exception]] = []
+                for lane in lanes:
+                    try:
+                        lane.synchronize()
+                    except Exception as e:  # noqa: BLE001 - its copies failed: closed below, never pooled
+                        failed.append((lane, e))
+                bad = [lane for lane, _ in failed]
+                self._staging.give([lane for lane in lanes if lane not in bad])
+                _cleanup(self._map.close, *(lane.close for lane in bad))
+                if failed:
+                    raise failed[0][1]
         finally:
             self._staging.close()
-            if drop:
-                _drop_later(drop)
+            _LOADING.remove_all(inodes)
+            # Not while another load reads the same file: it would go back to the disk for it.
+            _drop_later([fd for fd, inode in drop.items() if not _LOADING.has(inode)])
 
 
-def _drop_later(fds: set[int]) -> None:
+class _Inodes:
+    """Files (device, inode) that loads in this process are reading, counted."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count: dict[tuple[int, int], int] = {}
+
+    @staticmethod
+    def key(fd: int) -> tuple[int, int]:
+        st = os.fstat(fd)
+        return st.st_dev, st.st_ino
+
+    def add(self, inode: tuple[int, int]) -> None:
+        with self._lock:
+            self._count[inode] = self._count.get(inode, 0) + 1
+
+    def remove_all(self, inodes: list[tuple[int, int]]) -> None:
+        with self._lock:
+            for inode in inodes:
+                left = self._count.pop(inode, 1) - 1
+                if left:
+                    self._count[inode] = left
+
+    def has(self, inode: tuple[int, int]) -> bool:
+        with self._lock:
+            return inode in self._count
+
+
+_LOADING = _Inodes()
+
+
+def _drop_later(fds: list[int]) -> None:
     """Drop whole files from the page cache in a thread of their own (through dups, as the caller
-    closes its fds): freeing 16 GB of pages takes a while, and nothing needs to wait for it."""
-    dups = [os.dup(fd) for fd in fds]
+    closes its fds): freeing 16 GB of pages takes a while, and nothing needs to wait for it. A file
+    that cannot be dropped stays cached: a log line, never a failed load."""
+    dups: list[int] = []
+    try:
+        for fd in fds:
+            dups.append(os.dup(fd))
+    except OSError as e:
+        for fd in dups:
+            os.close(fd)
+        log.warning("cannot drop loaded files from the page cache: %s", e.strerror)
+        return
+    if not dups:
+        return
 
     def drop() -> None:
         for fd in dups:
             try:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            except OSError as e:
+                log.warning("cannot drop a loaded file from the page cache: %s", e.strerror)
             finally:
                 os.close(fd)
 
@@ -580,10 +678,10 @@ class CudaBackend(ArenaBackend):
     def configure(self, linger_s: float) -> None:
         """How long a GPU's context and staging stay after its last load (the daemon's config)."""
         with self._lock:
-            self._linger_s = linger_s
+            changed, self._linger_s = linger_s != self._linger_s, linger_s
             stagings = list(self._stagings.values())
-        for staging in stagings:
-            staging.linger_s = linger_s
+        for staging in stagings if changed else ():
+            staging.set_linger(linger_s)
 
     def prepare(self, device: str, lanes: int) -> None:
         """Ready `device` for a load about to start (blocking: call it from a thread)."""
