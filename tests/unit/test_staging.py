@@ -148,3 +148,106 @@ def test_zero_releases_at_once_and_inf_or_huge_keep(cuda: Any, linger: float) ->
     assert s.held == (linger > 0) and s._timer is None
     s.release()
     assert cuda.state.contexts == 0
+
+
+class FakeMapping:
+    def __init__(self, handle: Any, gpu: Any, size: int, writable: bool) -> None:
+        self.ptr, self.size = 1 << 40, size
+
+    def close(self) -> None:
+        self.ptr = 0
+
+
+@pytest.fixture
+def writer_parts(cuda: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """CudaWriter over fake lanes that record their copies; `sync_fails` makes a lane's copies fail."""
+    parts = types.SimpleNamespace(copies=[], sync_fails=False)
+
+    class CopyLane:
+        def __init__(self, nbytes: int, count: int) -> None:
+            self.nbytes, self.whole, self.closed = nbytes, True, False
+            cuda.state.lanes.append(self)
+
+        def copy(self, fd: int, file_offset: int, dst: int, nbytes: int, read_bytes: int) -> None:
+            parts.copies.append((fd, nbytes, read_bytes))
+
+        def synchronize(self) -> None:
+            if parts.sync_fails:
+                raise cuda.Internal("CUDA cuStreamSynchronize failed: CUDA_ERROR_ILLEGAL_ADDRESS")
+
+        def close(self) -> None:
+            self.closed = True
+
+    monkeypatch.setattr(cuda, "_Lane", CopyLane)
+    monkeypatch.setattr(cuda, "VaMapping", FakeMapping)
+    monkeypatch.setattr(cuda, "_check", lambda result, what: None)
+    monkeypatch.setattr(cuda.cuda, "cuCtxSetCurrent", lambda ctx: None, raising=False)
+    parts.staging = staging(cuda, 30)
+    parts.arena = types.SimpleNamespace(_gpu=parts.staging.gpu, size=64 << 20, _handle=object())
+    return parts
+
+
+def _open_fds(tmp_path: Any, n: int) -> list[int]:
+    import os
+
+    fds = []
+    for i in range(n):
+        path = tmp_path / f"shard{i}"
+        path.write_bytes(b"x" * 4096)
+        fds.append(os.open(path, os.O_RDONLY))
+    return fds
+
+
+def _wait_dropped(cuda: Any, drops: list[int], want: int) -> None:
+    deadline = time.monotonic() + 5
+    while len(drops) < want and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_a_writer_reads_cold_files_large_and_drops_them_once_no_load_reads_them(
+        cuda: Any, writer_parts: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    dropped: list[int] = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: dropped.append(os.fstat(fd).st_ino)
+                        if advice == os.POSIX_FADV_DONTNEED else real(fd, off, n, advice))
+    warm, cold = _open_fds(tmp_path, 2)
+    first = cuda.CudaWriter(writer_parts.arena, writer_parts.staging)
+    second = cuda.CudaWriter(writer_parts.arena, writer_parts.staging)  # another load of the cold file
+    first.hint(warm, 1.0)
+    first.hint(cold, 0.0)
+    second.hint(cold, 0.0)
+    first.copy_from_file(warm, 0, 0, 4096)
+    first.copy_from_file(cold, 0, 4096, 4096)
+    assert writer_parts.copies == [(warm, 4096, 4 << 20), (cold, 4096, 16 << 20)]
+    first.close()
+    time.sleep(0.2)
+    assert dropped == [], "dropped a file another load is still reading"
+    second.close()
+    _wait_dropped(cuda, dropped, 1)
+    assert dropped == [os.fstat(cold).st_ino]
+    assert not cuda._LOADING.has(cuda._Inodes.key(cold)) and writer_parts.staging.held
+    for fd in (warm, cold):
+        os.close(fd)
+    writer_parts.staging.release()
+    assert cuda.state.contexts == 0
+
+
+def test_a_lane_whose_copies_failed_is_closed_and_the_load_fails(
+        cuda: Any, writer_parts: Any, tmp_path: Any) -> None:
+    import os
+
+    (fd,) = _open_fds(tmp_path, 1)
+    w = cuda.CudaWriter(writer_parts.arena, writer_parts.staging)
+    w.hint(fd, 1.0)
+    w.copy_from_file(fd, 0, 0, 4096)
+    writer_parts.sync_fails = True
+    with pytest.raises(cuda.Internal, match="ILLEGAL_ADDRESS"):
+        w.close()
+    (lane,) = cuda.state.lanes
+    assert lane.closed and writer_parts.staging._free == [] and writer_parts.staging._users == 0
+    assert not cuda._LOADING.has(cuda._Inodes.key(fd))
+    os.close(fd)
+    writer_parts.staging.release()
+    assert cuda.state.contexts == 0
