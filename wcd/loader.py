@@ -160,7 +160,6 @@ _Range = tuple[str, int, int, "tuple[int, int] | None"]
 _Piece = tuple[int, int, int, int]
 
 
-
 def _address(view: memoryview) -> int:
     """The address of a writable buffer's first byte. The temporary ctypes object that exports it
     is gone when this returns, so the owner can still release its buffer; the address stays valid
