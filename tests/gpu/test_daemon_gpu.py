@@ -11,7 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.integration.conftest import checkpoint, make_daemon, mixed_tensors, same  # noqa: F401  (fixtures)
+from tests.integration.conftest import (  # noqa: F401  (fixtures)
+    checkpoint,
+    flip_stored_byte,
+    make_daemon,
+    mixed_tensors,
+    same,
+)
 from wcd.key import WeightCacheKey
 
 pytestmark = pytest.mark.gpu
@@ -53,21 +59,13 @@ def test_configured_gpu_model_acquire_verify_status(make_daemon: Any, checkpoint
 
 def test_verify_of_a_gpu_entry_names_a_changed_file_byte_and_digests_as_on_the_host(
         make_daemon: Any, checkpoint: Any) -> None:  # noqa: F811
-    from wcd.checkpoint import read_header
-
     path, _ = checkpoint
     host_model = f'\n[[models]]\nname = "h"\npath = "{path}"\nretention = "pinned"\n'
     d = make_daemon(GPU_BUDGET + gpu_model(path) + host_model)
     with d.client() as c:
         on_gpu, on_host = c.verify("m"), c.verify("h")
         assert on_gpu["match"] and on_host["match"] and on_gpu["digest"] == on_host["digest"]
-        shard = sorted(path.glob("*.safetensors"))[0]
-        [t] = [t for t in read_header(shard).tensors if t.name == "w.bf16"]
-        with open(shard, "r+b") as f:
-            f.seek(t.begin + 100)
-            byte = f.read(1)[0]
-            f.seek(t.begin + 100)
-            f.write(bytes([byte ^ 0x40]))
+        flip_stored_byte(sorted(path.glob("*.safetensors"))[0], "w.bf16")
         r = c.verify("m")
         assert (r["match"], r["mismatched"], r["digest"]) == (False, ["w.bf16"], on_gpu["digest"])
     assert d.stop() == 0

@@ -98,6 +98,18 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
                                          b.contiguous().view(-1).view(torch.uint8))
 
 
+def flip_stored_byte(shard: Path, name: str, at: int = 100) -> None:
+    """Flip one bit of tensor `name`'s bytes in the safetensors file `shard`, in place."""
+    from wcd.checkpoint import read_header
+
+    [t] = [t for t in read_header(shard).tensors if t.name == name]
+    with open(shard, "r+b") as f:
+        f.seek(t.begin + at)
+        byte = f.read(1)[0]
+        f.seek(t.begin + at)
+        f.write(bytes([byte ^ 0x40]))
+
+
 def sparse_checkpoint(path: Path, nbytes: int) -> Path:
     """A valid safetensors file holding one large U8 tensor whose data is a hole (no disk I/O)."""
     import json

@@ -18,9 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.integration.conftest import same, sparse_checkpoint
+from tests.integration.conftest import flip_stored_byte, same, sparse_checkpoint
 from wcd import protocol
-from wcd.checkpoint import read_header
 from wcd.client import Client
 from wcd.errors import BadRequest, Busy, DaemonUnavailable, KeyMismatch, NotFound, OutOfMemory, PermissionDenied
 from wcd.key import WeightCacheKey
@@ -410,13 +409,7 @@ def test_verify_names_the_one_tensor_whose_file_byte_changed(make_daemon, checkp
         r = c.verify("m")
         assert (r["match"], r["mismatched"], r["tensors"]) == (True, [], len(tensors))
         assert r["digest"] == content_digest(tensors)
-        shard = sorted(path.iterdir())[0]
-        [t] = [t for t in read_header(shard).tensors if t.name == "w.bf16"]
-        with open(shard, "r+b") as f:
-            f.seek(t.begin + 100)
-            byte = f.read(1)[0]
-            f.seek(t.begin + 100)
-            f.write(bytes([byte ^ 0x40]))
+        flip_stored_byte(sorted(path.iterdir())[0], "w.bf16")
         r = c.verify("m")
         assert (r["match"], r["mismatched"], r["against"]) == (False, ["w.bf16"], str(path))
         assert r["digest"] == content_digest(tensors)

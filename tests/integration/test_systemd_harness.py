@@ -355,15 +355,21 @@ def test_real_socket_activation(tmp_path):
         proc.wait(timeout=30)
 
 
-def test_verify_of_a_readopted_published_entry(fake_systemd, tmp_path):
-    """Issue 11, item 15: the digest taken at commit is gone after a restart; verify compares
-    against one taken at re-adoption instead of failing with `internal`."""
-    cfg = config(tmp_path, {})
+def publish_parked_and_stop(fake_systemd, cfg: Path) -> str:
+    """Start a daemon, publish one small entry, wait until it is parked in the fd store, stop."""
     fake_systemd.start(cfg)
     with Client(fake_systemd.sock_path) as c:
         name = c.publish(WeightCacheKey(model="p", transform="test"), {"w": torch.arange(1024, dtype=torch.float32)})
         fake_systemd.wait_for("FDSTORE", "1")
     assert fake_systemd.stop() == 0
+    return name
+
+
+def test_verify_of_a_readopted_published_entry(fake_systemd, tmp_path):
+    """Issue 11, item 15: the digest taken at commit is gone after a restart; verify compares
+    against one taken at re-adoption instead of failing with `internal`."""
+    cfg = config(tmp_path, {})
+    name = publish_parked_and_stop(fake_systemd, cfg)
     fake_systemd.start(cfg)
     with Client(fake_systemd.sock_path) as c:
         [entry] = c.list()
@@ -470,11 +476,7 @@ def test_a_record_that_fails_the_check_after_ready_is_dropped(fake_systemd, tmp_
 def test_a_published_entry_that_fails_the_check_is_not_served(fake_systemd, tmp_path):
     """No checkpoint to fall back on: a client waiting for it is told it went away."""
     cfg = config(tmp_path, {})
-    fake_systemd.start(cfg)
-    with Client(fake_systemd.sock_path) as c:
-        name = c.publish(WeightCacheKey(model="p", transform="test"), {"w": torch.arange(1024, dtype=torch.float32)})
-        fake_systemd.wait_for("FDSTORE", "1")
-    assert fake_systemd.stop() == 0
+    name = publish_parked_and_stop(fake_systemd, cfg)
     rewrite_record(fake_systemd, misalign_first_tensor)
     env, gate = gated_checks(tmp_path)
     fake_systemd.start(cfg, env=env)
