@@ -3,7 +3,8 @@
 Per checkpoint (synthetic BF16, equal tensors, a few shards), one run, side by side:
   - ceilings: a plain page-cache -> memfd copy (host) or pinned host->device copy (GPU), and,
     cold, the disk's parallel O_DIRECT read bandwidth (several readers; no fio needed);
-  - wcd `load` op through a real daemon (fingerprint + allocate + fill), timed by the client;
+  - wcd `load` op through a real daemon (fingerprint + allocate + fill), timed by a fresh client
+    process from before it imports wcd.client (import + connect + the op);
   - safetensors `load_file`, fastsafetensors, instanttensor, runai-model-streamer, each in a
     fresh process with torch (and the CUDA context) up before the clock starts; a peer whose
     package is missing is reported as such.
@@ -71,6 +72,17 @@ if device.startswith("cuda"):
 out["seconds"] = time.perf_counter() - start
 out["bytes"] = n
 print(json.dumps(out))
+"""
+
+
+# The wcd `load` op from a fresh process: argv = socket, name, path, device; prints the seconds.
+_WCD_LOAD = r"""
+import sys, time
+start = time.perf_counter()
+from wcd.client import Client
+with Client(sys.argv[1], heartbeats=False, timeout=3600) as c:
+    c.load(sys.argv[2], sys.argv[3], device=sys.argv[4], wait=True)
+print(time.perf_counter() - start)
 """
 
 
@@ -198,10 +210,16 @@ class Daemon:
 
     def load(self, path: Path, device: str, name: str, verify: dict[str, object] | None = None) -> float:
         """Seconds of one `load` op; with `verify`, also times a `verify` op of the entry into it."""
+        # Like the peers: a fresh process whose clock covers importing the client, connecting and
+        # the op, which is what `wcdctl load` or an engine asking for a load pays.
+        r = subprocess.run([sys.executable, "-c", _WCD_LOAD, str(self.socket), name, str(path), device],
+                           capture_output=True, text=True, timeout=3600, cwd=ROOT,
+                           env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                               p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)})
+        if r.returncode != 0:
+            raise RuntimeError(f"wcd load failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+        seconds = float(r.stdout.strip().splitlines()[-1])
         with Client(self.socket, heartbeats=False, timeout=3600) as c:
-            start = time.perf_counter()
-            c.load(name, path, device=device, wait=True)
-            seconds = time.perf_counter() - start
             if verify is not None:
                 start = time.perf_counter()
                 verify["match"] = c.verify(name)["match"]
