@@ -11,10 +11,9 @@ import grp
 import os
 import pwd
 import re
-import sys
 from collections.abc import Collection
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -27,16 +26,11 @@ from pydantic import (
     field_validator,
 )
 
+from wcd.configfile import CONFIG_DIR, RUN_DIR, instance_config_path, read_toml
 from wcd.errors import ConfigError
 from wcd.key import HOST_DEVICE
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
-CONFIG_DIR = Path("/etc/wcd")
-RUN_DIR = Path("/run/wcd")
+__all__ = ["CONFIG_DIR", "RUN_DIR", "Config", "ModelConfig", "instance_config_path", "load_config", "parse_size"]
 _UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9,
           "T": 10**12, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
@@ -240,22 +234,12 @@ class Config(BaseModel):
         return models
 
 
-def instance_config_path(instance: str) -> Path:
-    return CONFIG_DIR / f"{instance}.toml"
-
-
-def load_config(path: Path, instance: str | None = None, check_paths: bool = True) -> Config:
-    """Read and validate a TOML config. Raises `ConfigError` with one line naming the problem."""
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"config {path}: file not found") from None
-    except OSError as e:
-        raise ConfigError(f"config {path}: cannot read ({e.strerror})") from None
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config {path}: not valid TOML ({e})") from None
+def load_config(path: Path, instance: str | None = None, check_paths: bool = True,
+                data: dict[str, Any] | None = None) -> Config:
+    """Read and validate a TOML config (`data`: the file's TOML, already read by
+    `wcd.configfile.read_toml`). Raises `ConfigError` with one line naming the problem."""
+    if data is None:
+        data = read_toml(path)
     try:
         config = Config.model_validate(data, context={"check_paths": check_paths})
     except ValidationError as e:

@@ -2,16 +2,16 @@
 
 Gauges are read at scrape time from a read-only view of the daemon's state (`StateView`, a
 custom collector), so nothing is kept twice; only request latencies and load throughput are
-recorded as they happen. Must not import the server or change the state it reads.
+recorded as they happen, as plain counts here. prometheus-client (with http.server, email and
+ssl under it: ~40 ms of a 2-core VM's start-up) is imported at the first scrape, or by `warm` after
+READY, never before the daemon serves. Must not import the server or change the state it reads.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Collection, Iterator
-from typing import TYPE_CHECKING, Protocol
-
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from wcd.cache import Cache
@@ -29,32 +29,83 @@ class StateView(Protocol):
     def connections(self) -> Collection[object]: ...
 
 
+class _Histogram:
+    """One op's request times: a count per bucket (the last is +Inf), their sum."""
+
+    __slots__ = ("counts", "total")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(_BUCKETS) + 1)
+        self.total = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect_left(_BUCKETS, seconds)] += 1  # a bucket counts values <= its bound
+        self.total += seconds
+
+
 class Metrics:
     def __init__(self, state: StateView) -> None:
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.requests = Histogram("wcd_request_duration_seconds", "Request handling time by op", ["op"],
-                                  buckets=_BUCKETS, registry=self.registry)
-        self.load_bytes = Counter("wcd_load_bytes", "Bytes loaded from checkpoints", ["device"],
-                                  registry=self.registry)
-        self.load_seconds = Counter("wcd_load_seconds", "Time spent loading checkpoints", ["device"],
-                                    registry=self.registry)
-        self.registry.register(_StateCollector(state))
-        self._by_op: dict[object, Histogram] = {}
+        self._state = state
+        self._by_op: dict[str, _Histogram] = {}
+        self._load_bytes: dict[str, float] = {}
+        self._load_seconds: dict[str, float] = {}
+        self._registry: Any = None
 
     def observe(self, op: object, seconds: float) -> None:
-        child = self._by_op.get(op)
+        child = self._by_op.get(op) if isinstance(op, str) else None
         if child is None:
             if not isinstance(op, str) or op not in _known_ops():
                 op = "invalid"
-            child = self._by_op.setdefault(op, self.requests.labels(op=op))
+            child = self._by_op.setdefault(op, _Histogram())
         child.observe(seconds)
 
     def loaded(self, device: str, nbytes: int, seconds: float) -> None:
-        self.load_bytes.labels(device=device).inc(nbytes)
-        self.load_seconds.labels(device=device).inc(seconds)
+        self._load_bytes[device] = self._load_bytes.get(device, 0) + nbytes
+        self._load_seconds[device] = self._load_seconds.get(device, 0.0) + seconds
+
+    @staticmethod
+    def warm() -> None:
+        """Import prometheus-client now (blocking: from a thread after READY), so that the first
+        scrape does not pay for it on the loop."""
+        import prometheus_client  # noqa: F401
 
     def render(self) -> str:
-        return generate_latest(self.registry).decode()
+        from prometheus_client import CollectorRegistry, generate_latest
+
+        if self._registry is None:
+            registry = CollectorRegistry(auto_describe=False)
+            registry.register(_Recorded(self))
+            registry.register(_StateCollector(self._state))
+            self._registry = registry
+        return generate_latest(self._registry).decode()
+
+
+class _Recorded:
+    """What `Metrics` recorded, as metric families at scrape time."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
+        m = self.metrics
+        requests = HistogramMetricFamily("wcd_request_duration_seconds", "Request handling time by op",
+                                         labels=["op"])
+        bounds = [*map(str, _BUCKETS), "+Inf"]
+        for op, h in m._by_op.items():
+            running, buckets = 0, []
+            for bound, n in zip(bounds, h.counts):
+                running += n
+                buckets.append((bound, running))
+            requests.add_metric([op], buckets, h.total)
+        yield requests
+        for name, doc, values in (("wcd_load_bytes", "Bytes loaded from checkpoints", m._load_bytes),
+                                  ("wcd_load_seconds", "Time spent loading checkpoints", m._load_seconds)):
+            family = CounterMetricFamily(name, doc, labels=["device"])
+            for device, value in values.items():
+                family.add_metric([device], value)
+            yield family
 
 
 def _known_ops() -> tuple[str, ...]:
@@ -67,7 +118,9 @@ class _StateCollector:
     def __init__(self, state: StateView) -> None:
         self.state = state
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
         cache = self.state.cache
         budget = GaugeMetricFamily("wcd_device_budget_bytes", "Configured budget per device", labels=["device"])
         used = GaugeMetricFamily("wcd_device_used_bytes", "Bytes held by wcd per device", labels=["device"])

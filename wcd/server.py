@@ -106,6 +106,7 @@ class Server:
                  counted - began, admitted - counted, ready - admitted)
         self.residency.start_checks()
         self._spawn(self._report_status())
+        self._spawn(self._warm_metrics())
         interval = systemd.watchdog_interval()
         if interval is not None:
             self._spawn(self._watchdog(interval))
@@ -187,6 +188,12 @@ class Server:
         return task
 
     # -- accepting connections --------------------------------------------------------------
+
+    async def _warm_metrics(self) -> None:
+        """Import prometheus-client in a thread once start-up's own work is done (the checks of
+        re-adopted entries take ~0.2 s after READY), so that the first scrape does not pay for it."""
+        await asyncio.sleep(1.0)
+        await asyncio.to_thread(Metrics.warm)
 
     def _listen(self) -> None:
         daemon = self.state.config.daemon

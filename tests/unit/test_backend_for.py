@@ -4,7 +4,9 @@ missing or driverless bindings are simulated."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
+import threading
 import types
 from collections.abc import Iterator
 from unittest import mock
@@ -12,7 +14,7 @@ from unittest import mock
 import pytest
 
 import wcd.arenas
-from wcd.arenas import backend_for, cuda_requirement
+from wcd.arenas import backend_for, cuda_requirement, start_driver
 from wcd.errors import DeviceUnavailable
 
 
@@ -63,3 +65,49 @@ def test_gpu_device_without_a_driver_says_install_the_driver(monkeypatch: pytest
         monkeypatch.setitem(sys.modules, name, module)
     with pytest.raises(DeviceUnavailable, match=r"CUDA driver not (available|usable) .*install the NVIDIA driver"):
         backend_for("cuda:0").canonical("cuda:0")
+
+
+def _fake_bindings(monkeypatch: pytest.MonkeyPatch, cu_init: mock.Mock) -> None:
+    driver = mock.MagicMock(name="cuda.bindings.driver")
+    driver.cuInit = cu_init
+    bindings = types.ModuleType("cuda.bindings")
+    bindings.driver = driver  # type: ignore[attr-defined]
+    package = types.ModuleType("cuda")
+    package.bindings = bindings  # type: ignore[attr-defined]
+    for name, module in (("cuda", package), ("cuda.bindings", bindings), ("cuda.bindings.driver", driver)):
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+def _driver_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "wcd-cuinit"]
+
+
+@pytest.mark.parametrize("cu_init", [
+    mock.Mock(return_value=(0,)),
+    mock.Mock(side_effect=RuntimeError("Failed to dlopen libcuda.so.1")),  # reported later by backend_for
+])
+def test_start_driver_runs_cuinit_in_a_thread_only_for_a_gpu(monkeypatch: pytest.MonkeyPatch,
+                                                              cu_init: mock.Mock) -> None:
+    _fake_bindings(monkeypatch, cu_init)
+    start_driver(["cpu"])
+    assert not _driver_threads() and cu_init.call_count == 0  # a host-only daemon never touches CUDA
+    start_driver(["cpu", "cuda:1"])
+    for t in _driver_threads():
+        t.join(5)
+    assert cu_init.call_count == 1 and cu_init.call_args == mock.call(0)
+
+
+def test_start_driver_without_cuda_bindings_leaves_the_error_to_backend_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "cuda", None)
+    start_driver(["GPU-1234"])
+    for t in _driver_threads():
+        t.join(5)
+        assert not t.is_alive()
+
+
+def test_the_daemons_start_up_imports_no_prometheus_and_no_cuda_for_a_host_config() -> None:
+    """prometheus-client comes at the first scrape (or after READY); cuda-bindings only for a GPU."""
+    code = ("import sys, wcd.cli.wcd, wcd.config, wcd.server; "
+            "print(' '.join(m for m in sys.modules if m.split('.')[0] in ('prometheus_client', 'cuda', 'torch')))")
+    loaded = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.split()
+    assert loaded == []

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from wcd.config import RUN_DIR, Config, instance_config_path, load_config, parse_size
+from wcd.configfile import named_devices, read_toml
 from wcd.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -167,6 +168,28 @@ def test_unreadable_file(tmp_path: Path) -> None:
 
 def test_bad_toml(tmp_path: Path) -> None:
     assert config_error(write(tmp_path, "[daemon\nlease_ttl_s = 1\n")).startswith("not valid TOML (")
+
+
+def test_a_file_that_is_not_utf8_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "wcd.toml"
+    path.write_bytes(b"[daemon]\nlease_ttl_s = 1 # \xff\xfe\n")
+    assert config_error(path) == "not valid TOML (not UTF-8 text)"
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ('[[models]]\nname = "a"\npath = "/x"\ndevice = "cuda:1"\n[daemon.budget]\n"GPU-1234" = "10GiB"\ncpu = 1',
+         ["cuda:1", "GPU-1234", "cpu"]),
+        ('[[models]]\nname = "a"\npath = "/x"', []),  # the default device is named nowhere
+        ("models = 3\ndaemon = 4", []),
+        ('models = [1, {device = 2}, {device = "cuda:0"}]\n[daemon]\nbudget = ["cuda:2"]', ["cuda:0"]),
+    ],
+)
+def test_the_devices_a_file_names_before_it_is_validated(tmp_path: Path, text: str, named: list[str]) -> None:
+    """`wcd serve` starts the CUDA driver from these before the schemas import; malformed parts
+    name nothing (validation reports them)."""
+    assert named_devices(read_toml(write(tmp_path, text))) == named
 
 
 @pytest.mark.parametrize(

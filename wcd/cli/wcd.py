@@ -46,17 +46,23 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve_main(args: argparse.Namespace) -> int:
     from wcd import systemd
-    from wcd.config import instance_config_path, load_config
-    from wcd.server import run
+    from wcd.arenas import start_driver
+    from wcd.configfile import instance_config_path, named_devices, read_toml
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(message)s", stream=sys.stderr)
     path = args.config or instance_config_path(args.instance)
     try:
+        data = read_toml(path)
+        # The CUDA driver loads while the config's schemas and the server import (most of start-up).
+        start_driver(named_devices(data))
+        from wcd.config import load_config
+        from wcd.server import run
+
         passed = systemd.listen_fds()
         # After a restart with weights parked in systemd's fd store, a configured checkpoint may
         # be gone on purpose: the daemon serves the kept copy and flags it in status.
         restarted = bool(systemd.split_listener(passed)[1])
-        config = load_config(path, args.instance, check_paths=not restarted)
+        config = load_config(path, args.instance, check_paths=not restarted, data=data)
         if args.socket is not None:
             config.daemon.socket = args.socket
         return run(config, args.instance or path.stem, path, passed)
