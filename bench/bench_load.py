@@ -4,7 +4,8 @@ Per checkpoint (synthetic BF16, equal tensors, a few shards), one run, side by s
   - ceilings: a plain page-cache -> memfd copy (host) or pinned host->device copy (GPU), and,
     cold, the disk's parallel O_DIRECT read bandwidth (several readers; no fio needed);
   - wcd `load` op through a real daemon (fingerprint + allocate + fill), timed by a fresh client
-    process from before it imports wcd.client (import + connect + the op);
+    process from before it imports wcd.client (import + connect + the op); `wcd-buffered` is a
+    second daemon with `cold_reads = "buffered"` (cold files through the page cache, not O_DIRECT);
   - safetensors `load_file`, fastsafetensors, instanttensor, runai-model-streamer, each in a
     fresh process with torch (and the CUDA context) up before the clock starts; a peer whose
     package is missing is reported as such.
@@ -198,11 +199,13 @@ def pinned_h2d(device: str) -> float:
 
 
 class Daemon:
-    def __init__(self, root: Path, device: str) -> None:
+    def __init__(self, root: Path, device: str, cold_reads: str = "direct") -> None:
+        root.mkdir(exist_ok=True)
         self.socket = root / "wcd.sock"
         config = root / "wcd.toml"
         budget = '"90%"' if device != "cpu" else '"80%"'
-        config.write_text(f'[daemon]\nsocket = "{self.socket}"\nbudget = {{ "{device}" = {budget} }}\n')
+        config.write_text(f'[daemon]\nsocket = "{self.socket}"\nbudget = {{ "{device}" = {budget} }}\n'
+                          f'cold_reads = "{cold_reads}"\n')
         self.log = open(root / "daemon.log", "wb")
         self.proc = subprocess.Popen([sys.executable, "-m", "wcd", "serve", "--config", str(config)],
                                      stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -263,7 +266,9 @@ def main() -> int:
                                  "device": args.device, "runs": []}
     runs: list[dict[str, object]] = result["runs"]  # type: ignore[assignment]
     with tempfile.TemporaryDirectory() as tmp:
-        daemon = Daemon(Path(tmp), args.device)
+        # "wcd" reads cold files with O_DIRECT (the default); "wcd-buffered" through the page cache.
+        daemons = {name: Daemon(Path(tmp) / name, args.device, cold_reads)
+                   for name, cold_reads in (("wcd", "direct"), ("wcd-buffered", "buffered")) if name in loaders}
         try:
             for gb, tensors in specs:
                 d = args.dir / f"{gb:g}gb-{tensors}"
@@ -286,7 +291,10 @@ def main() -> int:
                     reps = args.reps if mode == "warm" else 1
                     if mode == "cold":
                         prepare()
-                        row["direct_read_GBps"] = direct_read(files, 8) / 1e9
+                        # As many readers as a load's threads, and 8 (the figure before 2026-12-01).
+                        row["direct_read_GBps"] = direct_read(files, default_workers()) / 1e9
+                        prepare()
+                        row["direct_read_8_GBps"] = direct_read(files, 8) / 1e9
                     if args.device == "cpu":
                         best = 1e9
                         for _ in range(reps):
@@ -299,9 +307,10 @@ def main() -> int:
                         times = []
                         for i in range(reps):
                             prepare()
-                            if loader == "wcd":
-                                verify: dict[str, object] | None = {} if mode == "warm" and i == 0 else None
-                                times.append(daemon.load(d, args.device, f"b{len(runs)}-{i}", verify))
+                            if loader in daemons:
+                                verify: dict[str, object] | None = \
+                                    {} if loader == "wcd" and mode == "warm" and i == 0 else None
+                                times.append(daemons[loader].load(d, args.device, f"b{len(runs)}-{i}", verify))
                                 if verify:
                                     row["wcd_verify"] = {**verify, "GBps_each_side": nbytes / verify["seconds"] / 1e9}  # type: ignore[operator]
                             else:
@@ -317,9 +326,11 @@ def main() -> int:
                     runs.append(row)
                     print(json.dumps(row), flush=True)
         finally:
-            daemon.stop()
-            if args.daemon_log:
-                args.daemon_log.write_bytes((Path(tmp) / "daemon.log").read_bytes())
+            for name, daemon in daemons.items():
+                daemon.stop()
+                if args.daemon_log:  # wcd's there, wcd-buffered's beside it (NAME.wcd-buffered.log)
+                    log = args.daemon_log if name == "wcd" else args.daemon_log.with_suffix(f".{name}.log")
+                    log.write_bytes((Path(tmp) / name / "daemon.log").read_bytes())
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
     return 0

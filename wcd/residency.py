@@ -168,7 +168,8 @@ class Residency:
     def _backend(self, device: str) -> ArenaBackend:
         """The backend of `device`, told the configured staging linger (which a reload may change)."""
         backend = backend_for(device)
-        backend.configure(self.state.config.daemon.staging_linger_s)
+        daemon = self.state.config.daemon
+        backend.configure(daemon.staging_linger_s, direct_reads=daemon.cold_reads == "direct")
         return backend
 
     def _prepare(self, device: str) -> None:

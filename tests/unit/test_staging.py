@@ -4,6 +4,7 @@ CUDA calls are replaced by fakes, so what is checked is who holds what, and when
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import importlib
 import sys
 import threading
@@ -17,8 +18,8 @@ import pytest
 
 
 @pytest.fixture
-def cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """wcd.arenas.cuda with fake lanes and contexts (and a stand-in for cuda-bindings if it is not installed)."""
+def cuda_module(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """wcd.arenas.cuda as it is, over a stand-in for cuda-bindings if that is not installed."""
     try:
         importlib.import_module("cuda.bindings.driver")
     except ImportError:
@@ -28,7 +29,15 @@ def cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
         for name, module in (("cuda", pkg), ("cuda.bindings", bindings), ("cuda.bindings.driver", bindings.driver)):
             monkeypatch.setitem(sys.modules, name, module)
         monkeypatch.delitem(sys.modules, "wcd.arenas.cuda", raising=False)
-    module = importlib.import_module("wcd.arenas.cuda")
+    yield importlib.import_module("wcd.arenas.cuda")
+    if isinstance(sys.modules.get("cuda.bindings.driver"), mock.MagicMock):
+        sys.modules.pop("wcd.arenas.cuda", None)  # the stand-in goes with the fixture
+
+
+@pytest.fixture
+def cuda(cuda_module: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """wcd.arenas.cuda with fake lanes and contexts."""
+    module = cuda_module
     state = types.SimpleNamespace(contexts=0, push_fails=False, lanes=[])
 
     class FakeLane:
@@ -59,10 +68,7 @@ def cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     monkeypatch.setattr(module, "release_context", release)
     monkeypatch.setattr(module, "current", current)
     module.state = state
-    yield module
-    if not isinstance(sys.modules.get("cuda.bindings.driver"), mock.MagicMock):
-        return
-    sys.modules.pop("wcd.arenas.cuda", None)  # the stand-in goes with the fixture
+    return module
 
 
 def staging(cuda: Any, linger_s: float) -> Any:
@@ -161,7 +167,7 @@ class FakeMapping:
 @pytest.fixture
 def writer_parts(cuda: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     """CudaWriter over fake lanes that record their copies; `sync_fails` makes a lane's copies fail."""
-    parts = types.SimpleNamespace(copies=[], sync_fails=False)
+    parts = types.SimpleNamespace(copies=[], sync_fails=False, direct_fds=[])
 
     class CopyLane:
         def __init__(self, nbytes: int, count: int) -> None:
@@ -170,6 +176,13 @@ def writer_parts(cuda: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
 
         def copy(self, fd: int, file_offset: int, dst: int, nbytes: int, read_bytes: int) -> None:
             parts.copies.append((fd, nbytes, read_bytes))
+
+        def copy_direct(self, fd: int, file_offset: int, dst: int, nbytes: int, read_bytes: int) -> None:
+            import os
+
+            assert os.O_DIRECT & fcntl.fcntl(fd, fcntl.F_GETFL)
+            parts.copies.append(("direct", os.fstat(fd).st_ino, nbytes, read_bytes))
+            parts.direct_fds.append(fd)
 
         def synchronize(self) -> None:
             if parts.sync_fails:
@@ -220,8 +233,10 @@ def test_a_writer_reads_cold_files_large_and_drops_them_once_no_load_reads_them(
     second.hint(cold, 0.0)
     first.copy_from_file(warm, 0, 0, 4096)
     first.copy_from_file(cold, 0, 4096, 4096)
-    assert writer_parts.copies == [(warm, 4096, 4 << 20), (cold, 4096, 16 << 20)]
+    assert writer_parts.copies == [(warm, 4096, 4 << 20), ("direct", os.fstat(cold).st_ino, 4096, 16 << 20)]
     first.close()
+    with pytest.raises(OSError):  # the writer's O_DIRECT descriptor of the cold file is closed
+        os.fstat(writer_parts.direct_fds[0])
     time.sleep(0.2)
     assert dropped == [], "dropped a file another load is still reading"
     second.close()
@@ -232,6 +247,25 @@ def test_a_writer_reads_cold_files_large_and_drops_them_once_no_load_reads_them(
         os.close(fd)
     writer_parts.staging.release()
     assert cuda.state.contexts == 0
+
+
+def test_cold_reads_buffered_by_config_go_through_the_page_cache(
+        cuda: Any, writer_parts: Any, tmp_path: Any) -> None:
+    import os
+
+    backend = object.__new__(cuda.CudaBackend)  # no driver: only its configure is used
+    backend._lock, backend._linger_s, backend._stagings = threading.Lock(), 30.0, {0: writer_parts.staging}
+    backend.configure(30.0, direct_reads=False)
+    (cold,) = _open_fds(tmp_path, 1)
+    w = cuda.CudaWriter(writer_parts.arena, writer_parts.staging)
+    w.hint(cold, 0.0)
+    w.copy_from_file(cold, 0, 0, 4096)
+    assert writer_parts.copies == [(cold, 4096, 16 << 20)]
+    w.close()
+    backend.configure(30.0, direct_reads=True)
+    assert writer_parts.staging.direct_reads
+    os.close(cold)
+    writer_parts.staging.release()
 
 
 def test_a_lane_whose_copies_failed_is_closed_and_the_load_fails(

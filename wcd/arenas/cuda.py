@@ -9,6 +9,7 @@ CUDA_VISIBLE_DEVICES finds the same GPU. Needs the `cuda` extra (cuda-bindings),
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
 import threading
@@ -37,6 +38,10 @@ STAGING_BYTES = 4 << 20  # a lane's buffers grow to COLD_READ_BYTES at its first
 STAGING_BUFFERS = 2
 COLD_READ_BYTES = 16 << 20
 WARM_FRACTION = 0.9  # a file with at least this much in the page cache is read as warm
+# Cold files are read with O_DIRECT (`direct_reads`, the default): whole aligned blocks into the
+# pinned buffers, no page-cache copy and nothing left in the cache; where the file system refuses
+# O_DIRECT, buffered. 4096 covers 512-byte and 4K logical blocks.
+DIRECT_ALIGN = 4096
 DROP_FRACTION = 0.02  # below this (the header and fingerprint samples this load read), it was not cached
 # Lanes (a stream and its pinned buffers) kept per GPU between loads, and for how long after the
 # last load by default; `configure` sets the latter from the daemon's config.
@@ -213,6 +218,22 @@ class _Lane:
             _check(cuda.cuEventRecord(self.events[i], self.stream), "cuEventRecord")
             file_offset, dst, nbytes = file_offset + n, dst + n, nbytes - n
 
+    def copy_direct(self, fd: int, file_offset: int, dst: int, nbytes: int, read_bytes: int) -> None:
+        """`copy` through an O_DIRECT descriptor: each read covers whole DIRECT_ALIGN blocks around
+        the wanted bytes, and the device copy starts at the first wanted byte in the buffer."""
+        if read_bytes + DIRECT_ALIGN > self.nbytes:
+            self._grow(read_bytes + DIRECT_ALIGN)
+        while nbytes:
+            i, self.turn = self.turn, (self.turn + 1) % len(self.ptrs)
+            _check(cuda.cuEventSynchronize(self.events[i]), "cuEventSynchronize")
+            skip = file_offset % DIRECT_ALIGN
+            n = min(nbytes, read_bytes - skip)
+            span = -(-(skip + n) // DIRECT_ALIGN) * DIRECT_ALIGN
+            _pread_direct(fd, self.views[i][:span], file_offset - skip, skip + n)
+            _check(cuda.cuMemcpyHtoDAsync(dst, self.ptrs[i] + skip, n, self.stream), "cuMemcpyHtoDAsync")
+            _check(cuda.cuEventRecord(self.events[i], self.stream), "cuEventRecord")
+            file_offset, dst, nbytes = file_offset + n, dst + n, nbytes - n
+
     def gather(self, fd: int, file_offset: int, dst: int, nbytes: int, pieces: tuple[tuple[int, int], ...]) -> bool:
         """One preadv scatters a file range into a staging buffer laid out like the arena's `nbytes`
         at `dst`, one async copy moves it. False (nothing done) if it does not fit one buffer."""
@@ -248,6 +269,31 @@ class _Lane:
         )
 
 
+def _pread_direct(fd: int, view: memoryview, offset: int, need: int) -> None:
+    """Read at least `need` bytes into `view` (aligned, as its length and `offset` are) through an
+    O_DIRECT descriptor, which reads whole blocks: only the file's end may be short."""
+    done = 0
+    while done < need:
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0 or (n % DIRECT_ALIGN and done + n < need):
+            raise OSError(errno.EIO, "unexpected end of file")
+        done += n
+
+
+def open_direct(fd: int) -> int | None:
+    """An O_DIRECT descriptor of the file open as `fd` (reopened through /proc/self/fd, which names
+    that open file, not a path anyone could swap), or None where the file system refuses O_DIRECT."""
+    try:
+        direct = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+    except OSError:
+        return None
+    a, b = os.fstat(fd), os.fstat(direct)
+    if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):  # cannot happen; never read another file
+        os.close(direct)
+        return None
+    return direct
+
+
 class Staging:
     """A GPU's loading resources, kept between loads: its retained primary context and a pool of
     lanes (a stream and pinned buffers each).
@@ -269,6 +315,7 @@ class Staging:
         self._free: list[_Lane] = []
         self._making = 0  # lanes `prepare` is making: a load's threads wait for those first
         self._timer: threading.Timer | None = None
+        self.direct_reads = True  # cold files through O_DIRECT (`CudaBackend.configure`)
 
     def open(self) -> Any:
         """Hold the context (retained now if it is not) for one writer; pair with `close`."""
@@ -390,10 +437,11 @@ class CudaWriter(ArenaWriter):
     """Fills an arena from files: each loader thread preads into its lane's pinned buffers and
     copies them to the arena (mapped read-write here for the fill) on the lane's stream.
 
-    Files mostly in the page cache are read in cache-sized pieces; the others in large reads. A
-    file that was not in the page cache at all is dropped from it again when the writer closes:
-    once per file, because dropping each range as it was read made the H200 machine's cold fill
-    20% slower (1.63 against 2.06 GB/s in one run), and O_DIRECT read that disk slower still.
+    Files mostly in the page cache are read in cache-sized pieces; the others in large reads,
+    through O_DIRECT unless `cold_reads = "buffered"` (or the file system refuses it). A file that
+    was not in the page cache at all is dropped from it again when the writer closes (its header,
+    and everything where reads were buffered): once per file, because dropping each range as it
+    was read made the H200 machine's buffered cold fill 20% slower (1.63 against 2.06 GB/s).
     """
 
     def __init__(self, arena: CudaArena, staging: Staging) -> None:
@@ -404,6 +452,7 @@ class CudaWriter(ArenaWriter):
         self._lock = threading.Lock()
         self._reads: dict[int, int] = {}  # fd -> bytes per read
         self._drop: dict[int, tuple[int, int]] = {}  # fd -> inode, to drop from the page cache at close
+        self._direct: dict[int, int] = {}  # fd -> its O_DIRECT descriptor (cold files), closed at close
         self._inodes: list[tuple[int, int]] = []  # the files this writer reads (`_LOADING`)
         self._ctx = staging.open()
         try:
@@ -414,7 +463,12 @@ class CudaWriter(ArenaWriter):
             raise
 
     def hint(self, fd: int, cached_fraction: float) -> None:
-        self._reads[fd] = self._staging.warm_read if cached_fraction >= WARM_FRACTION else self._staging.cold_read
+        cold = cached_fraction < WARM_FRACTION
+        self._reads[fd] = self._staging.cold_read if cold else self._staging.warm_read
+        if cold and self._staging.direct_reads and fd not in self._direct:
+            direct = open_direct(fd)
+            if direct is not None:
+                self._direct[fd] = direct
         inode = _Inodes.key(fd)
         with self._lock:
             if inode not in self._inodes:
@@ -444,7 +498,12 @@ class CudaWriter(ArenaWriter):
 
     def copy_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int) -> None:
         dst = self._target(arena_offset, nbytes)
-        self._lane().copy(fd, file_offset, dst, nbytes, self._reads.get(fd, self._staging.warm_read))
+        read_bytes = self._reads.get(fd, self._staging.warm_read)
+        direct = self._direct.get(fd)
+        if direct is not None:
+            self._lane().copy_direct(direct, file_offset, dst, nbytes, read_bytes)
+        else:
+            self._lane().copy(fd, file_offset, dst, nbytes, read_bytes)
 
     def copy_scattered(self, fd: int, file_offset: int, arena_offset: int, nbytes: int,
                        pieces: tuple[tuple[int, int], ...]) -> None:
@@ -457,6 +516,7 @@ class CudaWriter(ArenaWriter):
             lanes, self._lanes = self._lanes, []
             drop, self._drop = self._drop, {}
             inodes, self._inodes = self._inodes, []
+            direct, self._direct = self._direct, {}
             if self._map.ptr == 0:
                 return
         try:
@@ -473,6 +533,8 @@ class CudaWriter(ArenaWriter):
                 if failed:
                     raise failed[0][1]
         finally:
+            for fd in direct.values():
+                os.close(fd)
             self._staging.close()
             _LOADING.remove_all(inodes)
             # Not while another load reads the same file: it would go back to the disk for it.
@@ -665,6 +727,7 @@ class CudaBackend(ArenaBackend):
         gpus()  # fail early, with one clear line, when there is no driver
         self._shape = (staging_bytes, staging_buffers)
         self._linger_s = linger_s
+        self._direct_reads = True
         self._stagings: dict[int, Staging] = {}
         self._lock = threading.Lock()
 
@@ -673,15 +736,20 @@ class CudaBackend(ArenaBackend):
             staging = self._stagings.get(gpu.ordinal)
             if staging is None:
                 staging = self._stagings[gpu.ordinal] = Staging(gpu, *self._shape, self._linger_s)
+                staging.direct_reads = self._direct_reads
             return staging
 
-    def configure(self, linger_s: float) -> None:
-        """How long a GPU's context and staging stay after its last load (the daemon's config)."""
+    def configure(self, linger_s: float, direct_reads: bool = True) -> None:
+        """How long a GPU's context and staging stay after its last load, and whether cold files
+        are read with O_DIRECT (the daemon's config)."""
         with self._lock:
             changed, self._linger_s = linger_s != self._linger_s, linger_s
+            self._direct_reads = direct_reads
             stagings = list(self._stagings.values())
-        for staging in stagings if changed else ():
-            staging.set_linger(linger_s)
+        for staging in stagings:
+            staging.direct_reads = direct_reads
+            if changed:
+                staging.set_linger(linger_s)
 
     def prepare(self, device: str, lanes: int) -> None:
         """Ready `device` for a load about to start (blocking: call it from a thread)."""
