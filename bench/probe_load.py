@@ -9,7 +9,8 @@ rests on numbers:
   - registering page-cache pages (`cuMemHostRegister` of a file mmap) as an alternative to staging;
   - cold reads (page cache dropped) swept over threads, read size, O_DIRECT and fadvise;
   - hash and compare rates, per thread and all threads (what `verify` can reach);
-  - device -> pinned host copies from many threads.
+  - device -> pinned host copies from many threads;
+  - verify's read path alone: a CUDA arena's digest pass and its reads, per read window.
 
     python bench/probe_load.py --dir /tmp/wcd-bench-load --out probe.json    # root, one GPU
 """
@@ -287,11 +288,66 @@ def d2h(threads: int, nbytes: int = 16 << 20, reps: int = 32) -> float:
     return threads * reps * nbytes / seconds / 1e9
 
 
+def _reads_alone(arena: Any, tasks: list[Any]) -> float:
+    """Seconds to read every task's span through one reader per thread, as verify does, unhashed."""
+    from wcd import loader
+
+    local, readers = threading.local(), []
+
+    def one(task: Any) -> None:
+        if not hasattr(local, "r"):
+            local.r = arena.reader()
+            readers.append(local.r)
+        for _ in local.r.windows(*loader._span(task)):
+            pass
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(loader.digest_workers()) as pool:
+        list(pool.map(one, tasks))
+    seconds = time.perf_counter() - t
+    for r in readers:
+        r.close()
+    return seconds
+
+
+def verify_read(gbytes: int = 16, tensors: int = 1000) -> list[dict[str, object]]:
+    """verify's arena side alone on a CUDA arena (16 GB, 1,000 tensors, its bytes as allocated; no
+    files): `digest_arena`'s pass first with the GPU's staging not held (context and lanes made on
+    the clock), then held, per READ_WINDOW; and the reads alone (reader windows, nothing hashed)."""
+    from wcd import loader
+    from wcd.arenas import cuda
+
+    backend = cuda.CudaBackend(linger_s=600)
+    size = gbytes * 10**9 // tensors // 256 * 256
+    arena = backend.create("cuda:0", size * tensors, "probe")
+    ranges = [(f"t{i}", i * size, size, None) for i in range(tensors)]
+    tasks = loader._tasks(ranges)
+    out: list[dict[str, object]] = []
+    try:
+        t = time.perf_counter()
+        loader._digest_ranges(arena, ranges)
+        out.append({"staging": "not held", "window_MiB": cuda.READ_WINDOW >> 20,
+                    "digest_GBps": size * tensors / (time.perf_counter() - t) / 1e9})
+        for window in (1 << 20, 2 << 20, 4 << 20):
+            cuda.READ_WINDOW = window
+            t = time.perf_counter()
+            loader._digest_ranges(arena, ranges)
+            digest = size * tensors / (time.perf_counter() - t) / 1e9
+            reads = size * tensors / _reads_alone(arena, tasks) / 1e9
+            out.append({"staging": "held", "window_MiB": window >> 20, "digest_GBps": digest, "reads_GBps": reads})
+            print(json.dumps(out[-1]), flush=True)
+    finally:
+        cuda.READ_WINDOW = 4 << 20
+        arena.close()
+        backend.release()
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", type=Path, default=Path("/tmp/wcd-bench-load"))
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--steps", default="fixed,hashes,d2h,register,warm,cold,coldfill")
+    ap.add_argument("--steps", default="fixed,hashes,d2h,verify,register,warm,cold,coldfill")
     args = ap.parse_args()
     steps = set(args.steps.split(","))
     result: dict[str, object] = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count()}
@@ -311,6 +367,7 @@ def main() -> int:
     step("fixed", fixed_costs)
     step("hashes", hashes, os.cpu_count() or 2)
     step("d2h", lambda: {n: d2h(n) for n in (1, 4, 16)})
+    step("verify", verify_read)
     if files:
         warm(files)
     step("register", lambda: host_register(files[0]))

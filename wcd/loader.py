@@ -12,6 +12,7 @@ the checkpoint's bytes (memcmp, no hashing of the file side), from `digest_worke
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -201,19 +202,52 @@ def _tasks(ranges: list[_Range]) -> list[list[_Piece]]:
     return tasks
 
 
-def _run_task(reader: ArenaReader, files: _FileBuffer, task: list[_Piece]) -> list[tuple[bytes, bool]]:
-    """(sha256, same as the file) of each piece: one arena read of the task's span, one preadv per
-    run of pieces that lie back to back in a file, one memcmp per run of pieces back to back in the
-    arena (piece by piece only where that run differs), then hashlib; all four without the GIL."""
+def _span(task: list[_Piece]) -> tuple[int, int]:
+    """(arena offset, nbytes) of the arena span a task reads."""
+    return task[0][0], task[-1][0] + task[-1][1] - task[0][0]
+
+
+def _run_task(reader: ArenaReader, files: _FileBuffer, task: list[_Piece],
+              then: tuple[int, int] | None = None) -> list[tuple[bytes, bool]]:
+    """(sha256, same as the file) of each piece. The task's arena span is read in windows (one, or
+    several from a reader that copies the next while this one is compared: `ArenaReader.windows`;
+    `then` is the span of this thread's next task); per window, the pieces' parts in it are
+    compared with their file bytes (`_compare`) and fed to their hashes; all of it without the GIL."""
+    first, nbytes = _span(task)
+    hashes = [hashlib.sha256() for _ in task]
+    same = [fd >= 0 for _, _, fd, _ in task]
+    start, i = first, 0  # the window's arena offset; the first piece that does not end before it
+    for window in reader.windows(first, nbytes, then):
+        stop = start + len(window)
+        parts: list[tuple[int, int, int, int, int]] = []  # (piece, offset in window, nbytes, fd, file offset)
+        k = i
+        while k < len(task) and task[k][0] < stop:
+            at, n, fd, file_offset = task[k]
+            lo, hi = max(at, start), min(at + n, stop)
+            if lo < hi:
+                parts.append((k, lo - start, hi - lo, fd, file_offset + lo - at))
+            k += 1
+        for k, ok in _compare(window, parts, files):
+            same[k] = same[k] and ok
+        for k, rel, n, _, _ in parts:
+            hashes[k].update(window[rel : rel + n])
+        while i < len(task) and task[i][0] + task[i][1] <= stop:
+            i += 1
+        start = stop
+    return [(h.digest(), ok) for h, ok in zip(hashes, same)]
+
+
+def _compare(window: memoryview, parts: list[tuple[int, int, int, int, int]],
+             files: _FileBuffer) -> list[tuple[int, bool]]:
+    """(piece, equal) for each part with a file source: one preadv per run of parts that lie back
+    to back in a file, one memcmp per run back to back in the window (part by part only where
+    that run differs)."""
     memcmp = _libc().memcmp
-    first = task[0][0]
-    arena = reader.read(first, task[-1][0] + task[-1][1] - first)
-    arena_at = _address(arena)
-    # The file bytes of the compared pieces go one after the other into the file buffer, in order.
+    # The file bytes of the compared parts go one after the other into the file buffer, in order.
     runs: list[tuple[int, int, int]] = []  # (fd, file offset, nbytes)
-    places: list[int] = []  # per piece: where its file bytes landed, -1 if it has none
+    places: list[int] = []  # per part: where its file bytes landed, -1 if it has none
     filled = 0
-    for _, n, fd, file_offset in task:
+    for _, _, n, fd, file_offset in parts:
         if fd < 0:
             places.append(-1)
             continue
@@ -223,29 +257,30 @@ def _run_task(reader: ArenaReader, files: _FileBuffer, task: list[_Piece]) -> li
             runs.append((fd, file_offset, n))
         places.append(filled)
         filled += n
-    file_at = files.reserve(filled)
+    if not filled:
+        return []
+    file_at, window_at = files.reserve(filled), _address(window)
     pos = 0
     for fd, file_offset, n in runs:
         pread_into(fd, files.view[pos : pos + n], file_offset)
         pos += n
-    same: list[bool] = []
+    out: list[tuple[int, bool]] = []
     i = 0
-    while i < len(task):
+    while i < len(parts):
         if places[i] < 0:
-            same.append(False)
             i += 1
             continue
-        j, end = i + 1, task[i][0] + task[i][1]
-        while j < len(task) and places[j] >= 0 and task[j][0] == end:  # no padding between them
-            end += task[j][1]
+        j, end = i + 1, parts[i][1] + parts[i][2]
+        while j < len(parts) and places[j] >= 0 and parts[j][1] == end:  # no padding between them
+            end += parts[j][2]
             j += 1
-        if memcmp(arena_at + task[i][0] - first, file_at + places[i], end - task[i][0]) == 0:
-            same += [True] * (j - i)
+        if memcmp(window_at + parts[i][1], file_at + places[i], end - parts[i][1]) == 0:
+            out += [(parts[k][0], True) for k in range(i, j)]
         else:
-            same += [memcmp(arena_at + task[k][0] - first, file_at + places[k], task[k][1]) == 0
-                     for k in range(i, j)]
+            out += [(parts[k][0], memcmp(window_at + parts[k][1], file_at + places[k], parts[k][2]) == 0)
+                    for k in range(i, j)]
         i = j
-    return [(hashlib.sha256(arena[at - first : at - first + n]).digest(), ok) for (at, n, _, _), ok in zip(task, same)]
+    return out
 
 
 def _digest_ranges(arena: Arena, ranges: list[_Range]) -> tuple[dict[str, str], set[str]]:
@@ -255,42 +290,57 @@ def _digest_ranges(arena: Arena, ranges: list[_Range]) -> tuple[dict[str, str], 
     Work is split into `DIGEST_CHUNK` pieces so that one large tensor does not serialise on one
     core: a range of one piece digests as sha256 of its bytes, a longer one as sha256 of its
     pieces' digests. hashlib, memcmp (through ctypes), preadv and the device copies all release
-    the GIL, so threads work in parallel (sha256 with SHA-NI: ~1.2 GB/s per core).
+    the GIL, so threads work in parallel (sha256 with SHA-NI: ~1.2 GB/s per core). Each thread
+    claims its next task before it runs the current one, so its reader can start on that early.
     """
-    local = threading.local()
-    opened: list[ArenaReader] = []
+    ranges = sorted(ranges, key=itemgetter(1))  # by arena offset: neighbours share a read
+    tasks = _tasks(ranges)
+    results: list[list[tuple[bytes, bool]]] = [[] for _ in tasks]
+    order = iter(range(len(tasks)))
     lock = threading.Lock()
+    failed = threading.Event()  # one failed task stops the other threads after their current one
 
-    def one(task: list[_Piece]) -> list[tuple[bytes, bool]]:
-        arena.check_open()  # an entry evicted meanwhile: stop here rather than hold its memory
-        if not hasattr(local, "reader"):
-            local.files = _FileBuffer()
-            local.reader = arena.reader()
-            with lock:
-                opened.append(local.reader)
-        return _run_task(local.reader, local.files, task)
+    def claim() -> int | None:
+        with lock:
+            return None if failed.is_set() else next(order, None)
 
-    try:
-        with ThreadPoolExecutor(digest_workers(), thread_name_prefix="wcd-digest") as pool:
-            ranges = sorted(ranges, key=itemgetter(1))  # by arena offset: neighbours share a read
-            results = (r for rs in pool.map(one, _tasks(ranges)) for r in rs)
-            digests: dict[str, str] = {}
-            differ: set[str] = set()
-            chunk = DIGEST_CHUNK
-            for name, _, nbytes, source in ranges:
-                if 0 < nbytes <= chunk:
-                    digest, same = next(results)
-                    digests[name] = digest.hex()
-                else:  # no piece (an empty range) or several
-                    pieces = [next(results) for _ in range(-(-nbytes // chunk))]
-                    digests[name] = hashlib.sha256(b"".join(d for d, _ in pieces)).hexdigest()
-                    same = all(ok for _, ok in pieces)
-                if source is not None and not same:
-                    differ.add(name)
-            return digests, differ
-    finally:
-        for r in opened:
-            r.close()
+    def work() -> None:
+        reader: ArenaReader | None = None
+        try:
+            reader, files = arena.reader(), _FileBuffer()
+            upcoming = claim()
+            while upcoming is not None:
+                task, upcoming = upcoming, claim()
+                arena.check_open()  # an entry evicted meanwhile: stop here rather than hold its memory
+                then = _span(tasks[upcoming]) if upcoming is not None else None
+                results[task] = _run_task(reader, files, tasks[task], then)
+        except BaseException:
+            failed.set()
+            if reader is not None:
+                with contextlib.suppress(Exception):  # the task's failure is the one to report
+                    reader.close()
+            raise
+        reader.close()
+
+    with ThreadPoolExecutor(digest_workers(), thread_name_prefix="wcd-digest") as pool:
+        futures = [pool.submit(work) for _ in range(min(digest_workers(), len(tasks)))]
+    for future in futures:
+        future.result()
+    pieces = (r for rs in results for r in rs)
+    digests: dict[str, str] = {}
+    differ: set[str] = set()
+    chunk = DIGEST_CHUNK
+    for name, _, nbytes, source in ranges:
+        if 0 < nbytes <= chunk:
+            digest, same = next(pieces)
+            digests[name] = digest.hex()
+        else:  # no piece (an empty range) or several
+            parts = [next(pieces) for _ in range(-(-nbytes // chunk))]
+            digests[name] = hashlib.sha256(b"".join(d for d, _ in parts)).hexdigest()
+            same = all(ok for _, ok in parts)
+        if source is not None and not same:
+            differ.add(name)
+    return digests, differ
 
 
 def digest_workers() -> int:

@@ -197,18 +197,23 @@ def test_fill_from_safetensors_is_bit_identical(backend: Any, uuid: str, checkpo
         arena.close()
 
 
+@pytest.mark.parametrize("window", [None, 300_000])
 def test_verify_reads_back_and_compares_in_one_pass(backend: Any, uuid: str, checkpoint_dir: Path, tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """verify's pass over a CUDA arena (a pinned buffer per reader thread, memcmp against the files):
-    the digests are those of the same bytes in a host arena, and one changed file byte names
-    exactly that tensor."""
+                                                    monkeypatch: pytest.MonkeyPatch, window: int | None) -> None:
+    """verify's pass over a CUDA arena (readers on the staging's lanes, copying the next window while
+    one is compared with the files and hashed): the digests are those of the same bytes in a host
+    arena, and one changed file byte names exactly that tensor. With 300,000-byte windows, each
+    piece is copied in several, cut at odd places."""
     from wcd import loader
+    from wcd.arenas import cuda
     from wcd.arenas.host import HostArena
     from wcd.checkpoint import Checkpoint, read_header
     from wcd.loader import Progress, digest_arena, fill_arena, verify_arena
 
-    # 1 MiB pieces: b.big (6 MiB) spans several, the small tensors share tasks, readers regrow buffers.
+    # 1 MiB pieces: b.big (6 MiB) spans several, the small tensors share tasks.
     monkeypatch.setattr(loader, "DIGEST_CHUNK", 1 * MiB)
+    if window:
+        monkeypatch.setattr(cuda, "READ_WINDOW", window)
     d = tmp_path / "ckpt"
     shutil.copytree(checkpoint_dir, d)
     with Checkpoint.open(d) as ckpt:

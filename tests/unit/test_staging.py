@@ -1,5 +1,6 @@
 """`Staging`'s bookkeeping (a GPU's context and loader lanes kept between loads), without a GPU:
-CUDA calls are replaced by fakes, so what is checked is who holds what, and when it is released."""
+CUDA calls are replaced by fakes, so what is checked is who holds what, and when it is released.
+verify's reader runs real lanes over a fake driver whose copies land only when waited for."""
 
 from __future__ import annotations
 
@@ -63,6 +64,7 @@ def cuda(cuda_module: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
             raise module.Internal("CUDA cuCtxPushCurrent failed")
         yield
 
+    state.Lane = module._Lane  # the real one, for tests that fake the driver under it
     monkeypatch.setattr(module, "_Lane", FakeLane)
     monkeypatch.setattr(module, "retain_context", retain)
     monkeypatch.setattr(module, "release_context", release)
@@ -285,3 +287,206 @@ def test_a_lane_whose_copies_failed_is_closed_and_the_load_fails(
     os.close(fd)
     writer_parts.staging.release()
     assert cuda.state.contexts == 0
+
+
+class FakeDriver:
+    """The driver calls a lane and a reader make. An async copy first scribbles over its
+    destination and lands only when an event recorded after it (or its stream) is waited for, so
+    a reader that hands out a buffer too early, or refills one still in use, returns wrong bytes."""
+
+    def __init__(self, cuda: Any, device_bytes: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+        import ctypes
+
+        self.ok = cuda._SUCCESS
+        self.device = ctypes.create_string_buffer(device_bytes, len(device_bytes))
+        self.pinned: dict[int, Any] = {}
+        self.pins = self.streams = self.copies = self.most_in_flight = 0
+        self.fail_copy = 0  # the copy (1-based) that fails, 0: none
+        self.queue: dict[int, list[tuple[int, Any]]] = {}  # stream -> (seq, copy args or event)
+        self.recorded: dict[int, tuple[int, int]] = {}  # event -> (stream, seq)
+        self.seq = 0
+        for name in ("cuStreamCreate", "cuStreamDestroy", "cuStreamSynchronize", "cuEventCreate",
+                     "cuEventDestroy", "cuEventRecord", "cuEventSynchronize", "cuMemHostAlloc",
+                     "cuMemFreeHost", "cuMemcpyDtoHAsync", "cuGetErrorString", "cuMemRelease"):
+            monkeypatch.setattr(cuda.cuda, name, getattr(self, name), raising=False)
+
+    def cuGetErrorString(self, err: Any) -> tuple[Any, bytes]:
+        return self.ok, b"fake"
+
+    def cuMemRelease(self, handle: Any) -> tuple[Any]:
+        return (self.ok,)
+
+    def cuStreamCreate(self, flags: Any) -> tuple[Any, int]:
+        self.streams += 1
+        self.queue[self.streams] = []
+        return self.ok, self.streams
+
+    def cuStreamDestroy(self, stream: int) -> tuple[Any]:
+        assert not self.queue.pop(stream), "destroyed a stream with copies pending"
+        return (self.ok,)
+
+    def cuEventCreate(self, flags: Any) -> tuple[Any, object]:
+        return self.ok, object()
+
+    def cuEventDestroy(self, event: object) -> tuple[Any]:
+        return (self.ok,)
+
+    def cuMemHostAlloc(self, nbytes: int, flags: int) -> tuple[Any, int]:
+        import ctypes
+
+        buf = ctypes.create_string_buffer(nbytes)
+        self.pinned[ctypes.addressof(buf)] = buf
+        self.pins += 1
+        return self.ok, ctypes.addressof(buf)
+
+    def cuMemFreeHost(self, ptr: int) -> tuple[Any]:
+        del self.pinned[ptr]
+        return (self.ok,)
+
+    def cuMemcpyDtoHAsync(self, dst: int, src: int, nbytes: int, stream: int) -> tuple[Any]:
+        import ctypes
+
+        self.copies += 1
+        if self.copies == self.fail_copy:
+            return (types.SimpleNamespace(name="CUDA_ERROR_ILLEGAL_ADDRESS"),)
+        ctypes.memset(dst, 0xA5, nbytes)
+        self.seq += 1
+        self.queue[stream].append((self.seq, (dst, src, nbytes)))
+        self.most_in_flight = max(self.most_in_flight, sum(1 for _, c in self.queue[stream] if c))
+        return (self.ok,)
+
+    def cuEventRecord(self, event: object, stream: int) -> tuple[Any]:
+        self.seq += 1
+        self.recorded[id(event)] = (stream, self.seq)
+        self.queue[stream].append((self.seq, None))
+        return (self.ok,)
+
+    def _land(self, stream: int, upto: float) -> None:
+        import ctypes
+
+        queue = self.queue[stream]
+        while queue and queue[0][0] <= upto:
+            _, copy = queue.pop(0)
+            if copy:
+                ctypes.memmove(*copy)
+
+    def cuEventSynchronize(self, event: object) -> tuple[Any]:
+        if id(event) in self.recorded:
+            self._land(*self.recorded[id(event)])
+        return (self.ok,)
+
+    def cuStreamSynchronize(self, stream: int) -> tuple[Any]:
+        self._land(stream, float("inf"))
+        return (self.ok,)
+
+
+@pytest.fixture
+def gpu_arena(cuda: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Any:
+    """A CudaArena over fake device bytes (real lanes, fake driver), the same bytes in a file, and
+    ranges of them like a checkpoint's tensors: a large one over several pieces, then small ones
+    with padding between, in 64 KiB pieces read 20,000 bytes per window (pieces cut at its edges)."""
+    import hashlib
+    import os
+
+    from wcd import loader
+
+    monkeypatch.setattr(cuda, "_Lane", cuda.state.Lane)
+    monkeypatch.setattr(loader, "DIGEST_CHUNK", 64 << 10)
+    monkeypatch.setattr(cuda, "READ_WINDOW", 20_000)
+    data = os.urandom(1 << 20)
+    driver = FakeDriver(cuda, data, monkeypatch)
+
+    class DeviceMapping(FakeMapping):
+        def __init__(self, handle: Any, gpu: Any, size: int, writable: bool) -> None:
+            import ctypes
+
+            self.ptr, self.size = ctypes.addressof(driver.device), size
+
+    monkeypatch.setattr(cuda, "VaMapping", DeviceMapping)
+    shard = tmp_path / "shard"
+    shard.write_bytes(b"header" + data)
+    fd = os.open(shard, os.O_RDONLY)
+    ranges = [("big", 0, 200_000 + 3, (fd, 6))]
+    at = 204_800
+    for i in range(300):
+        ranges.append((f"s.{i}", at, 1000 + i, (fd, 6 + at)))
+        at += 1280 + i // 256 * 256
+    s = staging(cuda, 30)
+    arena = cuda.CudaArena(s.gpu, len(data), object(), os.open(os.devnull, os.O_RDONLY), s, "fake")
+
+    def scheme(name: str) -> str:
+        _, offset, n, _ = next(r for r in ranges if r[0] == name)
+        b, chunk = data[offset : offset + n], 64 << 10
+        pieces = [hashlib.sha256(b[i : i + chunk]).digest() for i in range(0, n, chunk)]
+        return pieces[0].hex() if len(pieces) == 1 else hashlib.sha256(b"".join(pieces)).hexdigest()
+
+    parts = types.SimpleNamespace(driver=driver, staging=s, arena=arena, ranges=ranges, shard=shard, fd=fd,
+                                  want={name: scheme(name) for name, *_ in ranges})
+    yield parts
+    arena.close()
+    os.close(fd)
+    s.release()
+    assert cuda.state.contexts == 0 and not driver.pinned, "pinned memory left after the staging's release"
+
+
+def test_pipelined_reads_give_exactly_the_arena_bytes(cuda: Any, gpu_arena: Any) -> None:
+    from wcd.loader import _digest_ranges
+
+    g = gpu_arena
+    assert _digest_ranges(g.arena, g.ranges) == (g.want, set())
+    assert g.driver.most_in_flight >= 2, "no copy was on its way while a window was hashed"
+    with open(g.shard, "r+b") as f:  # one file byte of "big" in its third piece, one of s.17
+        for at in (6 + 2 * (64 << 10) + 5, 6 + g.ranges[18][1] + 999):
+            f.seek(at)
+            b = f.read(1)
+            f.seek(at)
+            f.write(bytes([b[0] ^ 1]))
+    assert _digest_ranges(g.arena, g.ranges) == (g.want, {"big", "s.17"})
+
+
+def test_a_verify_while_the_staging_is_held_pins_nothing(cuda: Any, gpu_arena: Any) -> None:
+    """Readers take the GPU's pooled lanes (here prepared as before a load) and give them back:
+    the pinning happens once, not per verify, and the staging lingers after it."""
+    from wcd.loader import _digest_ranges, digest_workers
+
+    g = gpu_arena
+    g.staging.prepare(digest_workers())
+    pinned = g.driver.pins
+    for _ in range(2):
+        assert _digest_ranges(g.arena, g.ranges)[0] == g.want
+    assert g.driver.pins == pinned and g.driver.streams == digest_workers()
+    assert g.staging.held and g.staging._users == 0 and len(g.staging._free) == digest_workers()
+
+
+def test_a_failed_copy_closes_its_lane_and_a_failed_file_read_pools_it(cuda: Any, gpu_arena: Any) -> None:
+    import os
+
+    from wcd.loader import _digest_ranges
+
+    g = gpu_arena
+    g.driver.fail_copy = 7
+    with pytest.raises(cuda.Internal, match="cuMemcpyDtoHAsync failed: CUDA_ERROR_ILLEGAL_ADDRESS"):
+        _digest_ranges(g.arena, g.ranges)
+    lanes = g.driver.streams
+    assert g.staging._users == 0 and len(g.staging._free) == lanes - 1  # the lane of the failed copy: closed
+    assert len(g.driver.pinned) == 2 * len(g.staging._free)
+    g.driver.fail_copy = 0
+    os.truncate(g.shard, 100_000)  # the file side fails: those lanes' copies were fine
+    with pytest.raises(OSError, match="unexpected end of file"):
+        _digest_ranges(g.arena, g.ranges)
+    assert g.staging._users == 0 and len(g.staging._free) == g.driver.streams - 1
+    assert all(not q for q in g.driver.queue.values()), "a lane was pooled with copies pending"
+
+
+def test_a_reader_announced_one_span_and_asked_for_another_reads_the_other(cuda: Any, gpu_arena: Any) -> None:
+    g = gpu_arena
+    reader = g.arena.reader()
+    device = bytes(g.driver.device)
+    try:
+        for (offset, nbytes), then in [((0, 50_000), (100_000, 30_000)), ((7, 45_001), (300_001, 1)),
+                                       ((300_001, 1), (0, 10)), ((0, 10), None)]:
+            got = b"".join(bytes(w) for w in reader.windows(offset, nbytes, then))
+            assert got == device[offset : offset + nbytes]
+    finally:
+        reader.close()
+    assert g.staging._users == 0 and len(g.staging._free) == 1

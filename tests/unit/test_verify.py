@@ -177,3 +177,33 @@ def test_the_copy_in_the_other_checkpoint_may_lie_elsewhere(loaded: tuple[HostAr
         save_file({n: ts[n] for n in names[i::3]}, str(other / f"part-{i}.safetensors"))
     shutil.rmtree(ckpt_dir)
     assert verify(arena, manifest, other) == (digest_arena(arena, manifest), [])
+
+
+@pytest.mark.parametrize("window", [1000, 4096, CHUNK // 3, CHUNK + 7])
+def test_reads_in_windows_digest_and_compare_as_one_read(loaded: tuple[HostArena, Manifest], ckpt_dir: Path,
+                                                         monkeypatch: pytest.MonkeyPatch, window: int) -> None:
+    """A reader that hands a task's span over in windows (as the CUDA reader does, copying the next
+    while one is hashed): pieces cut by a window's edge digest and compare exactly as in one read."""
+    from collections.abc import Iterator
+
+    from wcd.arenas.base import FileReader
+
+    arena, manifest = loaded
+    want = digest_arena(arena, manifest)
+    spans: list[tuple[int, int, tuple[int, int] | None]] = []
+
+    class Windowed(FileReader):
+        def windows(self, offset: int, nbytes: int, then: tuple[int, int] | None = None) -> Iterator[memoryview]:
+            spans.append((offset, nbytes, then))
+            for pos in range(0, nbytes, window):
+                yield memoryview(bytearray(self.read(offset + pos, min(window, nbytes - pos))))
+
+    monkeypatch.setattr(HostArena, "reader", lambda self: Windowed(self.fd()))
+    assert digest_arena(arena, manifest) == want
+    assert verify(arena, manifest, ckpt_dir) == (want, [])
+    flip_byte(ckpt_dir, "big", window + 1)
+    flip_byte(ckpt_dir, "a.7", 3)
+    assert verify(arena, manifest, ckpt_dir) == (want, ["a.7", "big"])
+    # Each thread names the span of its next task (`then`): one that some thread then reads.
+    starts = {(offset, nbytes) for offset, nbytes, _ in spans}
+    assert all(then in starts for _, _, then in spans if then is not None)

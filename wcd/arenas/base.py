@@ -66,6 +66,12 @@ class ArenaReader:
         """The bytes, in a writable buffer (`verify` compares it by address), valid until the next call."""
         return memoryview(bytearray(self._arena.read(offset, nbytes)))
 
+    def windows(self, offset: int, nbytes: int, then: tuple[int, int] | None = None) -> Iterator[memoryview]:
+        """The `nbytes` at `offset` as consecutive writable buffers, in order, each valid until the
+        next is asked for: a reader may copy the next one meanwhile. `then` (offset, nbytes) is the
+        span the next call will read, which it may start on early. This default yields one `read`."""
+        yield self.read(offset, nbytes)
+
     def close(self) -> None:
         """Release the buffer."""
 

@@ -37,6 +37,9 @@ POSIX_FD = cuda.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPT
 STAGING_BYTES = 4 << 20  # a lane's buffers grow to COLD_READ_BYTES at its first cold read
 STAGING_BUFFERS = 2
 COLD_READ_BYTES = 16 << 20
+# verify's device-to-host copies (`CudaReader.windows`), into a lane's buffers: cache-sized, so the
+# hashing of one overlaps the copy of the next even in lanes that cold reads grew to 16 MiB.
+READ_WINDOW = 4 << 20
 WARM_FRACTION = 0.9  # a file with at least this much in the page cache is read as warm
 # Cold files are read with O_DIRECT (`direct_reads`, the default): whole aligned blocks into the
 # pinned buffers, no page-cache copy and nothing left in the cache; where the file system refuses
@@ -250,6 +253,16 @@ class _Lane:
         _check(cuda.cuEventRecord(self.events[i], self.stream), "cuEventRecord")
         return True
 
+    def fetch(self, i: int, src: int, nbytes: int) -> None:
+        """Start copying `nbytes` at device address `src` into buffer `i` (reads: verify); `landed` waits."""
+        _check(cuda.cuMemcpyDtoHAsync(self.ptrs[i], src, nbytes, self.stream), "cuMemcpyDtoHAsync")
+        _check(cuda.cuEventRecord(self.events[i], self.stream), "cuEventRecord")
+
+    def landed(self, i: int, nbytes: int) -> memoryview:
+        """The first `nbytes` of buffer `i`, once the copy that last used it has finished."""
+        _check(cuda.cuEventSynchronize(self.events[i]), "cuEventSynchronize")
+        return self.views[i][:nbytes]
+
     def synchronize(self) -> None:
         _check(cuda.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
 
@@ -298,8 +311,8 @@ class Staging:
     """A GPU's loading resources, kept between loads: its retained primary context and a pool of
     lanes (a stream and pinned buffers each).
 
-    Creating a context and pinning host memory is most of a load's fixed cost, so writers `open`
-    this and take lanes from it instead. When the last writer closes, the lanes and the context
+    Creating a context and pinning host memory is most of a load's fixed cost, so writers (and
+    verify's readers) `open` this and take lanes from it instead. When the last closes, the lanes and the context
     stay `linger_s` seconds for the next load (0: released at once; inf: for the daemon's life),
     then are released: the daemon holds no CUDA context while it is not loading.
     """
@@ -601,33 +614,99 @@ def _drop_later(fds: list[int]) -> None:
 
 
 class CudaReader(ArenaReader):
-    """Device-to-host copies into one pinned buffer, reused for every read of this (one) thread:
-    pinned memory copies at the link's rate, pageable memory at a fraction of it."""
+    """Device-to-host copies through one lane of the GPU's `Staging` (pinned buffers kept between
+    loads and verifies: pinning costs ~0.4 s per GiB), taken at the first read and given back at
+    `close`; the reader holds the staging open meanwhile, so it lingers after a verify as after a load.
+
+    `windows` copies READ_WINDOW bytes at a time, round the lane's buffers on its stream: the next
+    window (and, told the next span, that span's first) is on its way while the caller hashes
+    this one. A lane whose copies failed is closed at `close`, never pooled.
+    """
 
     def __init__(self, arena: CudaArena) -> None:
         super().__init__(arena)
         self._cuda_arena = arena
-        self._ptr, self._size, self._view, self._ctx = 0, 0, memoryview(b""), None
+        self._staging = arena._staging
+        self._ctx: Any = None
+        self._lane: _Lane | None = None
+        self._turn = 0  # the buffer the next copy goes into
+        self._ahead: tuple[int, int, int] | None = None  # (device address, bytes, buffer) copied for the next call
+        self._broken = False
 
-    def read(self, offset: int, nbytes: int) -> memoryview:
-        ctx, src = self._cuda_arena._source(offset, nbytes)
-        self._ctx = ctx
-        with current(ctx):
-            if nbytes > self._size:
-                self.close()
-                self._ptr = int(_check(cuda.cuMemHostAlloc(nbytes, 0), "cuMemHostAlloc"))
-                self._size = nbytes
-                self._view = memoryview((ctypes.c_char * nbytes).from_address(self._ptr)).cast("B")
-            if nbytes:
-                _check(cuda.cuMemcpyDtoH(self._ptr, src, nbytes), "cuMemcpyDtoH")
-        return self._view[:nbytes]
+    def _take(self) -> _Lane:
+        if self._lane is None:
+            if self._ctx is None:
+                self._ctx = self._staging.open()
+            with current(self._ctx):
+                self._lane = self._staging.take()
+        return self._lane
+
+    def windows(self, offset: int, nbytes: int, then: tuple[int, int] | None = None) -> Iterator[memoryview]:
+        _, src = self._cuda_arena._source(offset, nbytes)
+        lane = self._take()
+        step = min(lane.nbytes, READ_WINDOW)
+        parts = [(src + pos, min(step, nbytes - pos)) for pos in range(0, nbytes, step)]
+        queued: list[tuple[int, int]] = []  # (buffer, bytes) of the copies this call issued, in order
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and parts and ahead[:2] == parts[0]:
+            queued.append((ahead[2], ahead[1]))
+            parts = parts[1:]
+        parts.reverse()  # popped from the end, in order
+
+        def issue(address: int, n: int) -> int:
+            i, self._turn = self._turn, (self._turn + 1) % len(lane.ptrs)
+            with current(self._ctx):
+                lane.fetch(i, address, n)
+            return i
+
+        def fill() -> None:
+            """Every free buffer gets the next window; once none is left, the next call's first."""
+            while parts and len(queued) < len(lane.ptrs):
+                address, n = parts.pop()
+                queued.append((issue(address, n), n))
+            if not parts and then is not None and self._ahead is None and len(queued) < len(lane.ptrs):
+                _, address = self._cuda_arena._source(*then)
+                n = min(step, then[1])
+                if n:
+                    self._ahead = (address, n, issue(address, n))
+
+        try:
+            fill()
+            while queued:
+                i, n = queued[0]
+                with current(self._ctx):
+                    view = lane.landed(i, n)
+                yield view
+                del queued[0]
+                fill()
+        except Exception:
+            self._broken = True  # a copy failed (or may be in flight unrecorded): close the lane, never pool it
+            raise
 
     def close(self) -> None:
-        if self._ptr:
-            ptr, self._ptr, self._size = self._ptr, 0, 0
-            self._view.release()
-            with current(self._ctx):
-                _check(cuda.cuMemFreeHost(ptr), "cuMemFreeHost")
+        """Give the lane back once its copies have finished, or close it if they failed (as
+        `CudaWriter.close` does); then this reader's hold on the staging ends."""
+        ctx, lane, self._ctx, self._lane, self._ahead = self._ctx, self._lane, None, None, None
+        broken, self._broken = self._broken, False
+        if ctx is None:
+            return
+        try:
+            if lane is not None:
+                with current(ctx):
+                    error: Exception | None = None
+                    if not broken:
+                        try:
+                            lane.synchronize()
+                        except Exception as e:  # noqa: BLE001 - its copies failed: closed below, never pooled
+                            error = e
+                    if broken or error is not None:
+                        lane.close()
+                    else:
+                        self._staging.give([lane])
+                    if error is not None:
+                        raise error
+        finally:
+            self._staging.close()
 
 
 class CudaArena(Arena):
