@@ -18,6 +18,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 -m compileall -q wcd /tmp/site >/dev/null  # as an installed package has: no compiling on the clock
 nvidia-smi -L | tee "$OUT/gpus.txt"; nproc; free -g | head -2
+LOADERS=wcd,wcd-buffered,safetensors,fastsafetensors,instanttensor,runai  # wcd-buffered: cold_reads = "buffered"
 case "${1:-tests}" in
   tests)
     timeout 300 python3 -m pytest tests/gpu -v -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
@@ -46,14 +47,16 @@ write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-100000'), int(1.6e9), 100000, 4
     timeout 150 python3 bench/bench_restart.py --device cuda:0 --ckpt /tmp/wcd-bench-load/16gb-1000 \
       --ckpt /tmp/wcd-bench-load/1.6gb-100000 2>&1 | tee "$OUT/restart.log" | tail -5
     timeout 330 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 16:1000 --cold --reps 2 \
-      --out "$OUT/load-16gb.json" --daemon-log "$OUT/daemon-16gb.log" 2>&1 | tee "$OUT/load-16gb.log" \
-      | grep -v '"wcd_verify"' | cut -c1-400 | tail -12
-    grep -E "admitting|loaded" "$OUT/daemon-16gb.log" | cut -c1-300 ;;
+      --loaders "$LOADERS" --out "$OUT/load-16gb.json" --daemon-log "$OUT/daemon-16gb.log" 2>&1 \
+      | tee "$OUT/load-16gb.log" | grep -v '"wcd_verify"' | cut -c1-400 | tail -14
+    grep -E "admitting|loaded" "$OUT"/daemon-16gb*.log | cut -c1-300
+    timeout 90 python3 bench/probe_load.py --steps verify --out "$OUT/probe-verify.json" 2>&1 | cut -c1-900 | tail -12 ;;
   small)  # the 1.6 GB side-by-side load runs: 1,000 and 100,000 tensors, warm twice and cold
     timeout 500 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 \
-      --ckpt 1.6:100000 --cold --reps 2 --out "$OUT/load-small.json" --daemon-log "$OUT/daemon-small.log" 2>&1 \
+      --ckpt 1.6:100000 --cold --reps 2 --loaders "$LOADERS" --out "$OUT/load-small.json" \
+      --daemon-log "$OUT/daemon-small.log" 2>&1 \
       | tee "$OUT/load-small.log" | grep -v '"wcd_verify"' | cut -c1-400 | tail -24
-    grep -E "admitting|loaded" "$OUT/daemon-small.log" | cut -c1-300
+    grep -E "admitting|loaded" "$OUT"/daemon-small*.log | cut -c1-300
     timeout 100 python3 bench/bench_restart.py --device cuda:0 --ckpt /tmp/wcd-bench-load/1.6gb-1000 \
       --ckpt /tmp/wcd-bench-load/1.6gb-100000 2>&1 | tee "$OUT/restart.log" | tail -5 ;;
   probe)
