@@ -4,8 +4,8 @@ Per checkpoint (synthetic BF16, equal tensors, a few shards), one run, side by s
   - ceilings: a plain page-cache -> memfd copy (host) or pinned host->device copy (GPU), and,
     cold, the disk's parallel O_DIRECT read bandwidth (several readers; no fio needed);
   - wcd `load` op through a real daemon (fingerprint + allocate + fill), timed by a fresh client
-    process from before it imports wcd.client (import + connect + the op); `wcd-buffered` is a
-    second daemon with `cold_reads = "buffered"` (cold files through the page cache, not O_DIRECT);
+    process from before it imports wcd.client (import + connect + the op); `wcd-direct` is a
+    second daemon with `cold_reads = "direct"` (cold files read with O_DIRECT);
   - safetensors `load_file`, fastsafetensors, instanttensor, runai-model-streamer, each in a
     fresh process with torch (and the CUDA context) up before the clock starts; a peer whose
     package is missing is reported as such.
@@ -199,7 +199,7 @@ def pinned_h2d(device: str) -> float:
 
 
 class Daemon:
-    def __init__(self, root: Path, device: str, cold_reads: str = "direct") -> None:
+    def __init__(self, root: Path, device: str, cold_reads: str = "buffered") -> None:
         root.mkdir(exist_ok=True)
         self.socket = root / "wcd.sock"
         config = root / "wcd.toml"
@@ -266,9 +266,9 @@ def main() -> int:
                                  "device": args.device, "runs": []}
     runs: list[dict[str, object]] = result["runs"]  # type: ignore[assignment]
     with tempfile.TemporaryDirectory() as tmp:
-        # "wcd" reads cold files with O_DIRECT (the default); "wcd-buffered" through the page cache.
+        # "wcd" reads cold files through the page cache (the default); "wcd-direct" with O_DIRECT.
         daemons = {name: Daemon(Path(tmp) / name, args.device, cold_reads)
-                   for name, cold_reads in (("wcd", "direct"), ("wcd-buffered", "buffered")) if name in loaders}
+                   for name, cold_reads in (("wcd", "buffered"), ("wcd-direct", "direct")) if name in loaders}
         try:
             for gb, tensors in specs:
                 d = args.dir / f"{gb:g}gb-{tensors}"
@@ -328,7 +328,7 @@ def main() -> int:
         finally:
             for name, daemon in daemons.items():
                 daemon.stop()
-                if args.daemon_log:  # wcd's there, wcd-buffered's beside it (NAME.wcd-buffered.log)
+                if args.daemon_log:  # wcd's there, wcd-direct's beside it (NAME.wcd-direct.log)
                     log = args.daemon_log if name == "wcd" else args.daemon_log.with_suffix(f".{name}.log")
                     log.write_bytes((Path(tmp) / name / "daemon.log").read_bytes())
     if args.out:

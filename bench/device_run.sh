@@ -18,7 +18,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 -m compileall -q wcd /tmp/site >/dev/null  # as an installed package has: no compiling on the clock
 nvidia-smi -L | tee "$OUT/gpus.txt"; nproc; free -g | head -2
-LOADERS=wcd,wcd-buffered,safetensors,fastsafetensors,instanttensor,runai  # wcd-buffered: cold_reads = "buffered"
+LOADERS=wcd,wcd-direct,safetensors,fastsafetensors,instanttensor,runai  # wcd-direct: cold_reads = "direct"
 case "${1:-tests}" in
   tests)
     timeout 300 python3 -m pytest tests/gpu -v -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \

@@ -169,7 +169,7 @@ class FakeMapping:
 @pytest.fixture
 def writer_parts(cuda: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     """CudaWriter over fake lanes that record their copies; `sync_fails` makes a lane's copies fail."""
-    parts = types.SimpleNamespace(copies=[], sync_fails=False, direct_fds=[])
+    parts = types.SimpleNamespace(copies=[], sync_fails=False)
 
     class CopyLane:
         def __init__(self, nbytes: int, count: int) -> None:
@@ -184,7 +184,6 @@ def writer_parts(cuda: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
 
             assert os.O_DIRECT & fcntl.fcntl(fd, fcntl.F_GETFL)
             parts.copies.append(("direct", os.fstat(fd).st_ino, nbytes, read_bytes))
-            parts.direct_fds.append(fd)
 
         def synchronize(self) -> None:
             if parts.sync_fails:
@@ -235,10 +234,8 @@ def test_a_writer_reads_cold_files_large_and_drops_them_once_no_load_reads_them(
     second.hint(cold, 0.0)
     first.copy_from_file(warm, 0, 0, 4096)
     first.copy_from_file(cold, 0, 4096, 4096)
-    assert writer_parts.copies == [(warm, 4096, 4 << 20), ("direct", os.fstat(cold).st_ino, 4096, 16 << 20)]
+    assert writer_parts.copies == [(warm, 4096, 4 << 20), (cold, 4096, 16 << 20)]
     first.close()
-    with pytest.raises(OSError):  # the writer's O_DIRECT descriptor of the cold file is closed
-        os.fstat(writer_parts.direct_fds[0])
     time.sleep(0.2)
     assert dropped == [], "dropped a file another load is still reading"
     second.close()
@@ -251,22 +248,37 @@ def test_a_writer_reads_cold_files_large_and_drops_them_once_no_load_reads_them(
     assert cuda.state.contexts == 0
 
 
-def test_cold_reads_buffered_by_config_go_through_the_page_cache(
+def _direct_fds_of(inode: int) -> list[int]:
+    import os
+
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if os.fstat(int(name)).st_ino == inode and fcntl.fcntl(int(name), fcntl.F_GETFL) & os.O_DIRECT:
+                found.append(int(name))
+    return found
+
+
+def test_cold_reads_direct_by_config_go_through_an_o_direct_descriptor_closed_with_the_writer(
         cuda: Any, writer_parts: Any, tmp_path: Any) -> None:
     import os
 
     backend = object.__new__(cuda.CudaBackend)  # no driver: only its configure is used
     backend._lock, backend._linger_s, backend._stagings = threading.Lock(), 30.0, {0: writer_parts.staging}
-    backend.configure(30.0, direct_reads=False)
-    (cold,) = _open_fds(tmp_path, 1)
-    w = cuda.CudaWriter(writer_parts.arena, writer_parts.staging)
-    w.hint(cold, 0.0)
-    w.copy_from_file(cold, 0, 0, 4096)
-    assert writer_parts.copies == [(cold, 4096, 16 << 20)]
-    w.close()
     backend.configure(30.0, direct_reads=True)
-    assert writer_parts.staging.direct_reads
-    os.close(cold)
+    warm, cold = _open_fds(tmp_path, 2)
+    w = cuda.CudaWriter(writer_parts.arena, writer_parts.staging)
+    w.hint(warm, 1.0)
+    w.hint(cold, 0.0)
+    w.copy_from_file(warm, 0, 0, 4096)
+    w.copy_from_file(cold, 0, 4096, 4096)
+    assert writer_parts.copies == [(warm, 4096, 4 << 20), ("direct", os.fstat(cold).st_ino, 4096, 16 << 20)]
+    w.close()
+    assert not _direct_fds_of(os.fstat(cold).st_ino), "the writer left its O_DIRECT descriptor open"
+    backend.configure(30.0)
+    assert not writer_parts.staging.direct_reads  # buffered unless configured
+    for fd in (warm, cold):
+        os.close(fd)
     writer_parts.staging.release()
 
 

@@ -209,7 +209,7 @@ class ArenaBackend(ABC):
         thread). What it sets up lingers like a load's staging. This default has nothing to do."""
         return None
 
-    def configure(self, linger_s: float, direct_reads: bool = True) -> None:
+    def configure(self, linger_s: float, direct_reads: bool = False) -> None:
         """How long staging (and a GPU's context) stays after the last load, 0 releases it at once;
         whether files not in the page cache are read with O_DIRECT where the backend does that."""
         return None
