@@ -402,6 +402,7 @@ class Checkpoint:
         self.headers = headers
         self.fds = fds
         self.opened = tuple(FileState.of(fd) for fd in fds)
+        self._unique = len(headers) < 2  # no name in two shards (one header's names are a dict's keys)
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], follow_links: bool = False, owner_check: bool = True) -> Checkpoint:
@@ -421,7 +422,9 @@ class Checkpoint:
                     if name in names:
                         raise LoadFailed(f"{p}: tensor {name!r} appears in more than one shard")
                     names.add(name)
-            return cls(p, headers, tuple(fd for _, fd in files))
+            ckpt = cls(p, headers, tuple(fd for _, fd in files))
+            ckpt._unique = True  # just checked
+            return ckpt
         except BaseException:
             for _, fd in files:
                 os.close(fd)
@@ -452,7 +455,7 @@ class Checkpoint:
             ids.extend(h.shape_ids if local == list(range(len(local))) else map(local.__getitem__, h.shape_ids))
         return Manifest.from_columns(tuple(chain.from_iterable(h.names for h in headers)),
                                      b"".join(h.dtype_codes for h in headers), tuple(index), ids,
-                                     list(chain.from_iterable(h.sizes for h in headers)))
+                                     list(chain.from_iterable(h.sizes for h in headers)), unique=self._unique)
 
     def copy_plan(self, manifest: Manifest, chunk: int = 64 << 20, batch: int = BATCH_BYTES) -> list[CopyOp]:
         """Reads that fill an arena of `manifest`, in file order.
