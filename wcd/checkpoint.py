@@ -212,7 +212,11 @@ def _columns(doc: dict[str, Any], data_size: int) -> _Columns | None:
     # does not iterate to exact ints (`tuple()` of "" or {} is a scalar shape there too), data
     # offsets that are not a pair of exact ints matching the size, data past the end.
     try:
-        codes = bytes(map(DTYPE_CODES.__getitem__, map(itemgetter("dtype"), infos)))
+        dtypes = list(map(itemgetter("dtype"), infos))
+        if dtypes.count(dtypes[0]) == len(dtypes):  # one dtype (the usual case): one lookup
+            codes = bytes([DTYPE_CODES[dtypes[0]]]) * len(dtypes)
+        else:
+            codes = bytes(map(DTYPE_CODES.__getitem__, dtypes))
         shape_lists = list(map(itemgetter("shape"), infos))
         offsets = list(map(itemgetter("data_offsets"), infos))
         if set(map(type, chain.from_iterable(shape_lists))) - {int} or set(map(len, offsets)) != {2}:
@@ -225,9 +229,14 @@ def _columns(doc: dict[str, Any], data_size: int) -> _Columns | None:
     shapes = tuple(dict.fromkeys(tuples))
     if any(len(s) > MAX_NDIM or (s and (min(s) < 0 or max(s) > MAX_DIM)) for s in shapes):
         return None
-    ids = array("I", map(dict(zip(shapes, count())).__getitem__, tuples))
+    ids = array("I", [0]) * len(tuples) if len(shapes) == 1 else \
+        array("I", map(dict(zip(shapes, count())).__getitem__, tuples))
     numels = list(map(math.prod, shapes))
-    sizes = list(map(mul, map(numels.__getitem__, ids), map(ITEMSIZES.__getitem__, codes)))
+    if codes.count(codes[0]) == len(codes):  # one dtype: a size per shape
+        per_shape = [numel * ITEMSIZES[codes[0]] for numel in numels]
+        sizes = [per_shape[0]] * len(ids) if len(per_shape) == 1 else list(map(per_shape.__getitem__, ids))
+    else:
+        sizes = list(map(mul, map(numels.__getitem__, ids), map(ITEMSIZES.__getitem__, codes)))
     if set(map(type, begins)) != {int} or set(map(type, ends)) != {int} or min(begins) < 0 \
             or list(map(sub, ends, begins)) != sizes or max(ends) > data_size:
         return None
