@@ -154,8 +154,8 @@ def cold_fills(ckpt_dir: Path, threads: int) -> list[dict[str, object]]:
 
 
 def _run_op(writer: Any, fds: tuple[int, ...], op: Any) -> None:
-    if op.pieces:
-        writer.copy_scattered(fds[op.shard], op.file_offset, op.arena_offset, op.nbytes, op.pieces)
+    if op.runs:
+        writer.copy_scattered(fds[op.shard], op.file_offset, op.arena_offset, op.nbytes, op.runs)
     else:
         writer.copy_from_file(fds[op.shard], op.file_offset, op.arena_offset, op.nbytes)
 

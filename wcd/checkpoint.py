@@ -18,14 +18,25 @@ from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from itertools import chain, compress, count, islice, repeat
+from itertools import chain, compress, count, islice, pairwise, repeat
 from operator import add, ge, itemgetter, le, mul, ne, sub
 from pathlib import Path
 from typing import Any, NoReturn
 
 from wcd.errors import LoadFailed, WcdError
 from wcd.gcpause import gc_paused
-from wcd.manifest import DTYPE_CODES, DTYPES, ITEMSIZES, MAX_DIM, MAX_NDIM, Manifest, check_overlaps, tensor_nbytes
+from wcd.manifest import (
+    ALIGN,
+    DTYPE_CODES,
+    DTYPES,
+    ITEMSIZES,
+    MAX_DIM,
+    MAX_NDIM,
+    Manifest,
+    _le_bytes,
+    check_overlaps,
+    tensor_nbytes,
+)
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
 SAMPLE_BYTES = 4096
@@ -74,24 +85,65 @@ class Header:
                          map(add, base, self.ends)))
 
 
+# A run of pieces in a `CopyOp`: (arena offset relative to the op's, width, stride, count): `count`
+# tensors of `width` bytes each, back to back in the file, the k-th at `offset + k * stride` in the
+# arena (stride: the width rounded up to the layout's alignment, so never 0).
+Run = tuple[int, int, int, int]
+
+
 @dataclass(frozen=True, slots=True)
 class CopyOp:
     """Fill `nbytes` of the arena at `arena_offset` from shard number `shard` at `file_offset`.
 
-    Without `pieces`, the file range has the same length. With them, the file range is contiguous
-    and `file_nbytes` long, and lands in (arena offset relative to `arena_offset`, length) pieces,
-    in order; the arena bytes between pieces (alignment padding) are left undefined.
+    Without `runs`, the file range has the same length. With them, the file range is contiguous
+    and `file_nbytes` long, and lands in the pieces of the runs, in order; the arena bytes between
+    pieces (alignment padding) are left undefined. A run of equal tensors at one stride (experts of
+    one shape, say) is one item however many tensors it holds, so writers can move it in one step.
     """
 
     shard: int
     file_offset: int
     arena_offset: int
     nbytes: int
-    pieces: tuple[tuple[int, int], ...] = ()
+    runs: tuple[Run, ...] = ()
+
+    @property
+    def pieces(self) -> tuple[tuple[int, int], ...]:
+        """The runs' pieces, one (arena offset relative to `arena_offset`, length) per tensor."""
+        return tuple(piece for run in self.runs for piece in run_pieces(run))
 
     @property
     def file_nbytes(self) -> int:
-        return sum(n for _, n in self.pieces) if self.pieces else self.nbytes
+        return sum(width * count for _, width, _, count in self.runs) if self.runs else self.nbytes
+
+
+def run_pieces(run: Run) -> zip[tuple[int, int]]:
+    """(relative arena offset, length) of each piece of `run`."""
+    rel, width, stride, count = run
+    return zip(range(rel, rel + stride * count, stride), repeat(width, count))
+
+
+def _runs(sizes: list[int], ats: Sequence[int], s: int, j: int) -> tuple[Run, ...]:
+    """The tensors `s:j` (back to back in the file, at increasing aligned offsets `ats` that do not
+    overlap) as maximal runs. Where equal sizes run from `a` to `b`, every step between offsets is
+    a multiple of 256 at least the size, that is at least the stride: so they are all the stride
+    when the ends are that many strides apart, and the run is checked in O(1)."""
+    base, size = ats[s], sizes[s]
+    if sizes[s:j].count(size) == j - s:  # the common case: all one size (all experts of one shape)
+        firsts = [s, j]
+    else:
+        firsts = [s, *compress(range(s + 1, j), map(ne, sizes[s + 1 : j], sizes[s : j - 1])), j]
+    runs: list[Run] = []
+    for a, b in zip(firsts, firsts[1:]):
+        size = sizes[a]
+        stride = (size + ALIGN - 1) & -ALIGN
+        if ats[b - 1] - ats[a] != stride * (b - 1 - a):  # padding between some (not `manifest`'s layout)
+            steps = compress(range(a + 1, b), map(ne, map(sub, ats[a + 1 : b], ats[a : b - 1]), repeat(stride)))
+            for c, d in pairwise([a, *steps, b]):
+                runs.append((ats[c] - base, size, stride, d - c))
+            continue
+        runs.append((ats[a] - base, size, stride, b - a))
+    return tuple(runs)
 
 
 def read_header(file: Path) -> Header:
@@ -160,7 +212,11 @@ def _columns(doc: dict[str, Any], data_size: int) -> _Columns | None:
     # does not iterate to exact ints (`tuple()` of "" or {} is a scalar shape there too), data
     # offsets that are not a pair of exact ints matching the size, data past the end.
     try:
-        codes = bytes(map(DTYPE_CODES.__getitem__, map(itemgetter("dtype"), infos)))
+        dtypes = list(map(itemgetter("dtype"), infos))
+        if dtypes.count(dtypes[0]) == len(dtypes):  # one dtype (the usual case): one lookup
+            codes = bytes([DTYPE_CODES[dtypes[0]]]) * len(dtypes)
+        else:
+            codes = bytes(map(DTYPE_CODES.__getitem__, dtypes))
         shape_lists = list(map(itemgetter("shape"), infos))
         offsets = list(map(itemgetter("data_offsets"), infos))
         if set(map(type, chain.from_iterable(shape_lists))) - {int} or set(map(len, offsets)) != {2}:
@@ -173,9 +229,14 @@ def _columns(doc: dict[str, Any], data_size: int) -> _Columns | None:
     shapes = tuple(dict.fromkeys(tuples))
     if any(len(s) > MAX_NDIM or (s and (min(s) < 0 or max(s) > MAX_DIM)) for s in shapes):
         return None
-    ids = array("I", map(dict(zip(shapes, count())).__getitem__, tuples))
+    ids = array("I", [0]) * len(tuples) if len(shapes) == 1 else \
+        array("I", map(dict(zip(shapes, count())).__getitem__, tuples))
     numels = list(map(math.prod, shapes))
-    sizes = list(map(mul, map(numels.__getitem__, ids), map(ITEMSIZES.__getitem__, codes)))
+    if codes.count(codes[0]) == len(codes):  # one dtype: a size per shape
+        per_shape = [numel * ITEMSIZES[codes[0]] for numel in numels]
+        sizes = [per_shape[0]] * len(ids) if len(per_shape) == 1 else list(map(per_shape.__getitem__, ids))
+    else:
+        sizes = list(map(mul, map(numels.__getitem__, ids), map(ITEMSIZES.__getitem__, codes)))
     if set(map(type, begins)) != {int} or set(map(type, ends)) != {int} or min(begins) < 0 \
             or list(map(sub, ends, begins)) != sizes or max(ends) > data_size:
         return None
@@ -350,6 +411,7 @@ class Checkpoint:
         self.headers = headers
         self.fds = fds
         self.opened = tuple(FileState.of(fd) for fd in fds)
+        self._unique = len(headers) < 2  # no name in two shards (one header's names are a dict's keys)
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], follow_links: bool = False, owner_check: bool = True) -> Checkpoint:
@@ -369,7 +431,9 @@ class Checkpoint:
                     if name in names:
                         raise LoadFailed(f"{p}: tensor {name!r} appears in more than one shard")
                     names.add(name)
-            return cls(p, headers, tuple(fd for _, fd in files))
+            ckpt = cls(p, headers, tuple(fd for _, fd in files))
+            ckpt._unique = True  # just checked
+            return ckpt
         except BaseException:
             for _, fd in files:
                 os.close(fd)
@@ -400,7 +464,7 @@ class Checkpoint:
             ids.extend(h.shape_ids if local == list(range(len(local))) else map(local.__getitem__, h.shape_ids))
         return Manifest.from_columns(tuple(chain.from_iterable(h.names for h in headers)),
                                      b"".join(h.dtype_codes for h in headers), tuple(index), ids,
-                                     list(chain.from_iterable(h.sizes for h in headers)))
+                                     list(chain.from_iterable(h.sizes for h in headers)), unique=self._unique)
 
     def copy_plan(self, manifest: Manifest, chunk: int = 64 << 20, batch: int = BATCH_BYTES) -> list[CopyOp]:
         """Reads that fill an arena of `manifest`, in file order.
@@ -408,13 +472,16 @@ class Checkpoint:
         Tensors of at least `batch` bytes become direct copies, split into `chunk`-byte pieces.
         Runs of smaller tensors that lie back to back in the file become one op each, of at most
         `batch` arena bytes and `MAX_PIECES` tensors: one read of the whole file range, scattered
-        into the arena layout (which pads each tensor to 256 bytes), and one write. Per-tensor work
-        is then a slice, not a syscall or a queued task: 100,000 16 KiB tensors make ~400 ops. The
-        plan is found with C-level passes over the columns and a Python step per op.
+        into the arena layout (which pads each tensor to 256 bytes), and few writes. An op's tensors
+        are described as runs of equal tensors at one stride (`Run`): 100,000 16,000-byte tensors
+        make ~400 ops of one run each. The plan is found with C-level passes over the columns and
+        a Python step per op and per run.
         """
         offsets = manifest.offsets  # the manifest lists tensors in this very order (`manifest`)
         if len(offsets) != sum(len(h.names) for h in self.headers):
             raise ValueError("copy_plan needs the manifest of this checkpoint")
+        if any(_le_bytes(offsets)[0::8]):  # 256 = 2**8: aligned offsets have a zero low byte
+            raise ValueError("copy_plan needs a manifest of aligned offsets")
         ops: list[CopyOp] = []
         i = 0
         for shard, h in enumerate(self.headers):
@@ -426,10 +493,9 @@ class Checkpoint:
                 begins, ends, ats, sizes = (list(compress(c, h.sizes)) for c in (begins, ends, ats, sizes))
             m, start = len(sizes), h.data_start
             # Runs break where the file has a gap and around tensors of `batch` bytes or more.
-            big = list(compress(range(m), map(ge, sizes, repeat(batch))))
-            gaps = compress(range(1, m), map(ne, islice(begins, 1, None), ends))
+            big = list(compress(range(m), map(ge, sizes, repeat(batch)))) if m and max(sizes) >= batch else []
+            gaps = () if begins[1:] == ends[:-1] else compress(range(1, m), map(ne, islice(begins, 1, None), ends))
             cuts = sorted({0, m, *gaps, *big, *(k + 1 for k in big)})
-            arena_ends = list(map(add, ats, sizes))  # increasing: the layout follows file order
             for s, e in zip(cuts, cuts[1:]):
                 if sizes[s] >= batch:
                     at, size, first = ats[s], sizes[s], start + begins[s]
@@ -437,12 +503,15 @@ class Checkpoint:
                                for pos in range(0, size, chunk))
                     continue
                 while s < e:  # greedy: as many tensors as `batch` arena bytes and MAX_PIECES allow
-                    j = min(bisect_right(arena_ends, ats[s] + batch, s, e), s + MAX_PIECES)
+                    # Offsets increase with the file's (the layout follows it), so the tensors that
+                    # end within `batch` are those that start within it, but perhaps the last.
                     base = ats[s]
-                    span = arena_ends[j - 1] - base
-                    pieces = () if span == ends[j - 1] - begins[s] else \
-                        tuple(zip(map(sub, ats[s:j], repeat(base)), sizes[s:j]))
-                    ops.append(CopyOp(shard, start + begins[s], base, span, pieces))
+                    j = min(bisect_right(ats, base + batch, s, e), s + MAX_PIECES)
+                    if ats[j - 1] + sizes[j - 1] - base > batch:
+                        j -= 1
+                    span = ats[j - 1] + sizes[j - 1] - base
+                    runs = () if span == ends[j - 1] - begins[s] else _runs(sizes, ats, s, j)
+                    ops.append(CopyOp(shard, start + begins[s], base, span, runs))
                     s = j
         return ops
 

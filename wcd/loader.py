@@ -123,8 +123,8 @@ def fill_arena(
                 raise Cancelled()
             try:
                 fd = checkpoint.fds[op.shard]
-                if op.pieces:
-                    writer.copy_scattered(fd, op.file_offset, op.arena_offset, op.nbytes, op.pieces)
+                if op.runs:
+                    writer.copy_scattered(fd, op.file_offset, op.arena_offset, op.nbytes, op.runs)
                 else:
                     writer.copy_from_file(fd, op.file_offset, op.arena_offset, op.nbytes)
             except BaseException:

@@ -46,6 +46,14 @@ DTYPE_CODES: dict[str, int] = {d: i for i, d in enumerate(DTYPES)}
 _CONTROL_CHAR = re.compile(r"[\x00-\x1f\x7f]")
 _CONTROL_BYTES = bytes(range(1, 32)) + b"\x7f"  # NUL separates names in a joined column
 _LITTLE = sys.byteorder == "little"
+_CONTROL_BYTES_NUL = bytes(range(32)) + b"\x7f"
+
+
+def _has_control(s: str) -> bool:
+    """`_CONTROL_CHAR.search(s)`, five times faster: UTF-8 never hides these bytes, and deleting
+    bytes is a plain C loop where the regex steps through every character."""
+    raw = s.encode("utf-8", "surrogatepass")
+    return len(raw.translate(None, _CONTROL_BYTES_NUL)) != len(raw)
 
 
 def align_up(n: int, align: int = ALIGN) -> int:
@@ -305,14 +313,14 @@ class Manifest:
 
     @classmethod
     def from_columns(cls, names: tuple[str, ...], codes: bytes, shapes: tuple[tuple[int, ...], ...],
-                     ids: array[int], sizes: list[int]) -> Manifest:
+                     ids: array[int], sizes: list[int], unique: bool = False) -> Manifest:
         """`build` for tensors given as valid columns (dtype codes, distinct shapes, each tensor's
         shape index and size in bytes, as a parsed checkpoint has them): the same layout and the
-        same checks of the names (same errors, first one first), in bulk."""
+        same checks of the names (same errors, first one first), in bulk. `unique`: the caller
+        has checked that no name appears twice (a checkpoint's, when it was opened)."""
         n = len(names)
-        lengths = list(map(len, names))
-        if n and (set(map(type, names)) != {str} or min(lengths) < 1 or max(lengths) > MAX_NAME_LEN
-                  or _CONTROL_CHAR.search("".join(names)) or len(set(names)) != n) or n > MAX_TENSORS:
+        if n and (set(map(type, names)) != {str} or "" in names or max(map(len, names)) > MAX_NAME_LEN
+                  or _has_control("".join(names)) or (not unique and len(set(names)) != n)) or n > MAX_TENSORS:
             seen: set[str] = set()
             for name in names[: MAX_TENSORS + 1]:  # what `build` would raise, in its order
                 _check_name(name)

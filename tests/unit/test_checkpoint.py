@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from wcd.checkpoint import Checkpoint, CopyOp, read_header
+from wcd.checkpoint import Checkpoint, CopyOp, _runs, read_header
 from wcd.errors import LoadFailed
 from wcd.manifest import ALIGN
 
@@ -200,6 +200,34 @@ def test_copy_plan_splits_large_tensors(single: tuple[Path, dict[str, torch.Tens
     pieces = [op.nbytes for op in plan if offset <= op.arena_offset < offset + big]
     assert pieces == [4096, 4096, big - 8192]
     assert not any(op.nbytes == 0 for op in plan)  # the empty tensor needs no read
+
+
+def test_copy_plan_describes_equal_tensors_as_runs(tmp_path: Path) -> None:
+    """16,000-byte tensors (padded to 16,128 in the arena) make one run per op, odd ones break it."""
+    tensors = {f"e.{i:04d}": torch.full((8000,), i, dtype=torch.bfloat16) for i in range(600)}
+    # safetensors writes by dtype, then name: the I8 one last, the odd BF16 one and the empty one among the rest
+    tensors.update({"e.0100a": torch.ones(3, dtype=torch.bfloat16), "e.0100b": torch.zeros(0, dtype=torch.bfloat16),
+                    "z": torch.ones(3, dtype=torch.int8)})
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    ckpt = Checkpoint.open(tmp_path / "m.safetensors")
+    manifest = ckpt.manifest()
+    plan = ckpt.copy_plan(manifest)
+    assert [op.runs for op in plan] == [
+        ((0, 16000, 16128, 101), (101 * 16128, 6, 256, 1), (101 * 16128 + 256, 16000, 16128, 159)),
+        ((0, 16000, 16128, 260),),
+        ((0, 16000, 16128, 600 - 520), (80 * 16128, 3, 256, 1)),
+    ]
+    arena, _ = fill_by_hand(ckpt, 64 << 20)
+    for spec in manifest.tensors:
+        assert bytes(arena[spec.offset : spec.offset + spec.nbytes]) == raw_bytes(tensors[spec.name])
+
+
+def test_runs_break_where_a_layout_pads_more_than_the_alignment() -> None:
+    """Not `manifest()`'s layout: extra padding between equal tensors starts a new run there."""
+    sizes = [1000] * 6 + [5, 5]
+    ats = [0, 1024, 2048, 4096, 5120, 6144, 8192, 8448]
+    assert _runs(sizes, ats, 0, 8) == ((0, 1000, 1024, 3), (4096, 1000, 1024, 3), (8192, 5, 256, 2))
+    assert _runs(sizes, ats, 2, 5) == ((0, 1000, 1024, 1), (2048, 1000, 1024, 2))
 
 
 @pytest.mark.parametrize("chunk", [1 << 26, 4096, 1000, 7])

@@ -58,15 +58,31 @@ def parsed(file: Path) -> list[Row]:
     return [(t.name, t.dtype, t.shape, t.begin, t.end) for t in read_header(file).tensors]
 
 
-def reference_plan(shards: list[list[Row]], offsets: list[int], chunk: int, batch: int) -> list[CopyOp]:
-    """The per-tensor copy plan (wcd before the columns)."""
-    ops: list[CopyOp] = []
+# (shard, file offset, arena offset, nbytes, pieces): a `CopyOp` with its runs as one piece per tensor
+PlanOp = tuple[int, int, int, int, tuple[tuple[int, int], ...]]
 
-    def run_op(shard: int, run: list[tuple[Row, int]]) -> CopyOp:
+
+def as_pieces(plan: list[CopyOp]) -> list[PlanOp]:
+    """The plan with each op's runs spelled out piece by piece; and each op's runs are maximal:
+    a run is one width at one stride (the width rounded up to 256), and the next one could not
+    have continued it."""
+    for op in plan:
+        for _, width, stride, count in op.runs:
+            assert width > 0 and count > 0 and stride == -(-width // 256) * 256
+        for (rel, width, stride, count), (rel2, width2, _, _) in zip(op.runs, op.runs[1:]):
+            assert width2 != width or rel2 != rel + stride * count
+    return [(op.shard, op.file_offset, op.arena_offset, op.nbytes, op.pieces) for op in plan]
+
+
+def reference_plan(shards: list[list[Row]], offsets: list[int], chunk: int, batch: int) -> list[PlanOp]:
+    """The per-tensor copy plan (wcd before the columns)."""
+    ops: list[PlanOp] = []
+
+    def run_op(shard: int, run: list[tuple[Row, int]]) -> PlanOp:
         base = run[0][1]
         pieces = tuple((at - base, t[4] - t[3]) for t, at in run)
         span = pieces[-1][0] + pieces[-1][1]
-        return CopyOp(shard, run[0][0][3], base, span, () if span == run[-1][0][4] - run[0][0][3] else pieces)
+        return (shard, run[0][0][3], base, span, () if span == run[-1][0][4] - run[0][0][3] else pieces)
 
     i = 0
     for shard, rows in enumerate(shards):
@@ -80,7 +96,7 @@ def reference_plan(shards: list[list[Row]], offsets: list[int], chunk: int, batc
                 ops.append(run_op(shard, run))
                 run = []
             if n >= batch:
-                ops.extend(CopyOp(shard, t[3] + pos, at + pos, min(chunk, n - pos)) for pos in range(0, n, chunk))
+                ops.extend((shard, t[3] + pos, at + pos, min(chunk, n - pos), ()) for pos in range(0, n, chunk))
             else:
                 run.append((t, at))
         if run:
@@ -208,5 +224,6 @@ def test_layout_and_plan_match_the_per_tensor_ones(shards: list[tuple[dict[str, 
                 # Batch limits at, just under and just over where runs of tensors end in the arena.
                 ends = [m.offsets[j] + m.sizes[j] - m.offsets[i] for i in range(len(m)) for j in range(i, len(m))]
                 batch = max(1, data.draw(st.sampled_from(ends or [1])) + data.draw(st.sampled_from([-1, 0, 1, 1000])))
-                assert ckpt.copy_plan(got[1], chunk, batch) == reference_plan(rows, list(want[1].offsets), chunk, batch)
+                plan = as_pieces(ckpt.copy_plan(got[1], chunk, batch))
+                assert plan == reference_plan(rows, list(want[1].offsets), chunk, batch)
                 assert ckpt.nbytes == sum(t[4] - t[3] for shard in rows for t in shard)

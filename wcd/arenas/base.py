@@ -13,8 +13,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from wcd.errors import NotFound
+
+if TYPE_CHECKING:  # not at run time: clients import this module, and need no checkpoint code
+    from wcd.checkpoint import Run
 
 # The device name of host memory (sealed memfds); GPUs are "cuda:N" or a GPU UUID.
 HOST_DEVICE = "cpu"
@@ -36,14 +40,15 @@ class ArenaWriter(ABC):
     @abstractmethod
     def copy_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int) -> None: ...
 
-    def copy_scattered(self, fd: int, file_offset: int, arena_offset: int, nbytes: int,
-                       pieces: tuple[tuple[int, int], ...]) -> None:
-        """Copy a contiguous file range into `pieces` (offset relative to `arena_offset`, length) of
-        the `nbytes` arena bytes at `arena_offset`; the bytes between pieces are undefined after.
-        This default copies piece by piece; writers override it with one read and one write."""
-        for rel, n in pieces:
-            self.copy_from_file(fd, file_offset, arena_offset + rel, n)
-            file_offset += n
+    def copy_scattered(self, fd: int, file_offset: int, arena_offset: int, nbytes: int, runs: tuple[Run, ...]) -> None:
+        """Copy a contiguous file range into the pieces of `runs` (`wcd.checkpoint.Run`: offset
+        relative to `arena_offset`, width, stride, count) of the `nbytes` arena bytes at
+        `arena_offset`; the bytes between pieces are undefined after. This default copies piece by
+        piece; writers override it with one read and few writes."""
+        for rel, width, stride, count in runs:
+            for at in range(arena_offset + rel, arena_offset + rel + stride * count, stride):
+                self.copy_from_file(fd, file_offset, at, width)
+                file_offset += width
 
     def hint(self, fd: int, cached_fraction: float) -> None:
         """How much of the file `fd` (0..1) is in the page cache, told before any copy from it;

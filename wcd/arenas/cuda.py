@@ -22,6 +22,7 @@ from cuda.bindings import driver as cuda
 
 from wcd.arenas.base import Arena, ArenaBackend, ArenaReader, ArenaWriter, DeviceInfo, pread_into
 from wcd.arenas.cudrv import Gpu, format_uuid, resolve_gpu
+from wcd.checkpoint import Run
 from wcd.config import format_size
 from wcd.errors import BadRequest, DeviceUnavailable, Internal, OutOfMemory
 from wcd.manifest import align_up
@@ -172,6 +173,21 @@ def granularity(gpu: Gpu) -> int:
     return int(_check(cuda.cuMemGetAllocationGranularity(_alloc_prop(gpu), flag), "cuMemGetAllocationGranularity"))
 
 
+# `CudaWriter.copy_scattered` copies runs in 2D (a driver call each, ~a few us) rather than gathering
+# them with preadv (a Python slice and an iovec per piece, ~0.3 us) when runs hold at least this many
+# pieces on average, and each row of a 2D copy is at least this wide. Not yet measured on a GPU.
+SCATTER_PIECES_PER_COPY = 8
+SCATTER_MIN_ROW = 1024
+
+
+def scatter_pays(runs: tuple[Run, ...]) -> bool:
+    """Whether 2D copies of `runs` (one per run) beat gathering their pieces (`CudaWriter.copy_scattered`)."""
+    pieces = sum(count for _, _, _, count in runs)
+    return bool(runs) and pieces >= SCATTER_PIECES_PER_COPY * len(runs) and \
+        min((width for _, width, stride, count in runs if count > 1 and stride != width),
+            default=SCATTER_MIN_ROW) >= SCATTER_MIN_ROW
+
+
 class _Lane:
     """One loader thread's stream and pinned staging buffers, each with an event marking the end of
     the copy that last used it."""
@@ -182,6 +198,10 @@ class _Lane:
         self.ptrs: list[int] = []
         self.views: list[memoryview] = []
         self.events: list[Any] = []
+        # One 2D copy's parameters, reused (the driver reads them during the call): a lane is one thread's.
+        self._2d = cuda.CUDA_MEMCPY2D()
+        self._2d.srcMemoryType = cuda.CUmemorytype.CU_MEMORYTYPE_HOST
+        self._2d.dstMemoryType = cuda.CUmemorytype.CU_MEMORYTYPE_DEVICE
         self.stream = _check(cuda.cuStreamCreate(cuda.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
         try:
             # Blocking-sync events: a waiting loader thread sleeps instead of spinning on a core that
@@ -239,16 +259,18 @@ class _Lane:
             _check(cuda.cuEventRecord(self.events[i], self.stream), "cuEventRecord")
             file_offset, dst, nbytes = file_offset + n, dst + n, nbytes - n
 
-    def gather(self, fd: int, file_offset: int, dst: int, nbytes: int, pieces: tuple[tuple[int, int], ...]) -> bool:
+    def gather(self, fd: int, file_offset: int, dst: int, nbytes: int, runs: tuple[Run, ...]) -> bool:
         """One preadv scatters a file range into a staging buffer laid out like the arena's `nbytes`
-        at `dst`, one async copy moves it. False (nothing done) if it does not fit one buffer."""
+        at `dst` (an iovec per piece of `runs`), one async copy moves it. False (nothing done) if it
+        does not fit one buffer or the read came up short."""
         if nbytes > self.nbytes:
             return False
         i, self.turn = self.turn, (self.turn + 1) % len(self.ptrs)
         _check(cuda.cuEventSynchronize(self.events[i]), "cuEventSynchronize")
         staging = self.views[i]
-        want = sum(n for _, n in pieces)
-        got = os.preadv(fd, [staging[rel : rel + n] for rel, n in pieces], file_offset)
+        want = sum(width * count for _, width, _, count in runs)
+        got = os.preadv(fd, [staging[at : at + width] for rel, width, stride, count in runs
+                             for at in range(rel, rel + stride * count, stride)], file_offset)
         if got != want:  # short only at end of file, or a file that shrank: let the caller redo it
             return False
         _check(cuda.cuMemcpyHtoDAsync(dst, self.ptrs[i], nbytes, self.stream), "cuMemcpyHtoDAsync")
@@ -264,6 +286,57 @@ class _Lane:
         """The first `nbytes` of buffer `i`, once the copy that last used it has finished."""
         _check(cuda.cuEventSynchronize(self.events[i]), "cuEventSynchronize")
         return self.views[i][:nbytes]
+
+    def scatter(self, fd: int, file_offset: int, dst: int, runs: tuple[Run, ...]) -> None:
+        """Copy a contiguous file range into the pieces of `runs` at device address `dst`: reads of
+        the file as it is (one buffer at a time), and per run one 2D copy (`cuMemcpy2DAsync`: rows
+        of the run's width, at the width's pitch in the buffer and the stride's on the device),
+        which the copy engine scatters. O(runs) Python, not O(tensors). A row that a buffer's end
+        cuts goes in two plain copies."""
+        total = sum(width * count for _, width, _, count in runs)
+        r, row, part = 0, 0, 0  # the run, row and bytes of that row that the next buffer byte goes to
+        pos = 0
+        while pos < total:
+            i, self.turn = self.turn, (self.turn + 1) % len(self.ptrs)
+            _check(cuda.cuEventSynchronize(self.events[i]), "cuEventSynchronize")
+            n = min(total - pos, self.nbytes)
+            pread_into(fd, self.views[i][:n], file_offset + pos)
+            src, end = self.ptrs[i], self.ptrs[i] + n
+            while src < end:
+                rel, width, stride, count = runs[r]
+                if not width:  # no bytes (copy_plan leaves such tensors out)
+                    r += 1
+                    continue
+                at = dst + rel + row * stride + part
+                if part or end - src < width:  # a row cut by a buffer's end: its rest, or what fits
+                    k = min(width - part, end - src)
+                    self._copy1d(at, src, k)
+                    part += k
+                    if part == width:
+                        row, part = row + 1, 0
+                    src += k
+                else:
+                    rows = min(count - row, (end - src) // width)
+                    self._copy_rows(at, src, width, stride, rows)
+                    row += rows
+                    src += rows * width
+                if row == count:
+                    r, row = r + 1, 0
+            _check(cuda.cuEventRecord(self.events[i], self.stream), "cuEventRecord")
+            pos += n
+
+    def _copy1d(self, dst: int, src: int, nbytes: int) -> None:
+        _check(cuda.cuMemcpyHtoDAsync(dst, src, nbytes, self.stream), "cuMemcpyHtoDAsync")
+
+    def _copy_rows(self, dst: int, src: int, width: int, stride: int, rows: int) -> None:
+        """`rows` rows of `width` bytes, back to back at host address `src`, to `dst` every `stride` bytes."""
+        if rows == 1 or stride == width:
+            self._copy1d(dst, src, width * rows)
+            return
+        p = self._2d
+        p.srcHost, p.srcPitch, p.dstDevice, p.dstPitch = src, width, dst, stride
+        p.WidthInBytes, p.Height = width, rows
+        _check(cuda.cuMemcpy2DAsync(p, self.stream), "cuMemcpy2DAsync")
 
     def synchronize(self) -> None:
         _check(cuda.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
@@ -520,11 +593,15 @@ class CudaWriter(ArenaWriter):
         else:
             self._lane().copy(fd, file_offset, dst, nbytes, read_bytes)
 
-    def copy_scattered(self, fd: int, file_offset: int, arena_offset: int, nbytes: int,
-                       pieces: tuple[tuple[int, int], ...]) -> None:
+    def copy_scattered(self, fd: int, file_offset: int, arena_offset: int, nbytes: int, runs: tuple[Run, ...]) -> None:
+        """Runs of several wide pieces each (experts of one shape, say): a plain read and a 2D copy
+        per run (`_Lane.scatter`). Otherwise (many short runs, or narrow rows, which the copy
+        engine moves slowly one by one) one preadv gathers the pieces into the arena layout and one
+        copy moves it (`_Lane.gather`); where that cannot be done, `scatter` still can."""
         dst = self._target(arena_offset, nbytes)
-        if not self._lane().gather(fd, file_offset, dst, nbytes, pieces):
-            super().copy_scattered(fd, file_offset, arena_offset, nbytes, pieces)
+        lane = self._lane()
+        if scatter_pays(runs) or not lane.gather(fd, file_offset, dst, nbytes, runs):
+            lane.scatter(fd, file_offset, dst, runs)
 
     def close(self) -> None:
         with self._lock:

@@ -15,6 +15,7 @@ import threading
 import time
 
 from wcd.arenas.base import Arena, ArenaBackend, ArenaWriter, DeviceInfo, FileReader
+from wcd.checkpoint import Run
 from wcd.errors import BadRequest, Busy, OutOfMemory
 from wcd.key import HOST_DEVICE
 from wcd.manifest import align_up
@@ -54,17 +55,17 @@ class HostWriter(ArenaWriter):
                 raise OSError(errno.EIO, "unexpected end of file")
             file_offset, nbytes = file_offset + n, nbytes - n
 
-    def copy_scattered(self, fd: int, file_offset: int, arena_offset: int, nbytes: int,
-                       pieces: tuple[tuple[int, int], ...]) -> None:
+    def copy_scattered(self, fd: int, file_offset: int, arena_offset: int, nbytes: int, runs: tuple[Run, ...]) -> None:
         """One preadv scatters the file range into a staging buffer laid out like the arena, one
         pwrite puts it in place: two syscalls for a whole run of small tensors."""
         buf = getattr(self._local, "buf", None)
         if buf is None or len(buf) < nbytes:
             buf = self._local.buf = memoryview(bytearray(max(nbytes, STAGING_BYTES)))
-        views = [buf[rel : rel + n] for rel, n in pieces]
+        views = [buf[at : at + width] for rel, width, stride, count in runs
+                 for at in range(rel, rel + stride * count, stride)]
         got = os.preadv(fd, views, file_offset)
-        if got != sum(n for _, n in pieces):  # short only at end of file, or a file that shrank
-            super().copy_scattered(fd, file_offset, arena_offset, nbytes, pieces)
+        if got != sum(width * count for _, width, _, count in runs):  # short only at end of file, or a file that shrank
+            super().copy_scattered(fd, file_offset, arena_offset, nbytes, runs)
             return
         out, pos = self._out(), 0
         while pos < nbytes:

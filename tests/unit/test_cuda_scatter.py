@@ -1,0 +1,336 @@
+"""The CUDA writer's copies of batched small tensors, without a GPU: a fake driver whose copies
+really write into a bytearray standing in for device memory, queued per stream and run only when
+an event or the stream is synchronised (as a GPU would run them later), so a staging buffer reused
+too early shows up as wrong bytes. Checked: every tensor byte lands at its arena offset, through
+2D copies (`_Lane.scatter`) and preadv gathers (`_Lane.gather`) alike, and padding is not written
+by a scatter."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import os
+import random
+import sys
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from wcd.checkpoint import Checkpoint, run_pieces
+from wcd.loader import Progress, fill_arena
+
+DEVICE_BASE = 1 << 44
+PAD = 0xEE  # what device memory holds before the fill
+
+
+class FakeStream:
+    def __init__(self) -> None:
+        self.queue: list[Callable[[], None] | FakeEvent] = []
+
+    def run(self, until: FakeEvent | None = None) -> None:
+        while self.queue:
+            item = self.queue.pop(0)
+            if isinstance(item, FakeEvent):
+                item.pending = False
+                if item is until:
+                    return
+            else:
+                item()
+
+
+class FakeEvent:
+    def __init__(self) -> None:
+        self.stream: FakeStream | None = None
+        self.pending = False
+
+
+class FakeDriver:
+    """The part of cuda-bindings' driver API that a CudaWriter uses; device memory is `device`."""
+
+    def __init__(self, ok: Any) -> None:
+        self.ok = ok
+        self.device = bytearray()
+        self.host: dict[int, Any] = {}  # address -> ctypes buffer (pinned staging)
+        self.calls: dict[str, int] = {}
+        self.rows: list[int] = []  # the Height of every 2D copy
+        for name in ("CUstream_flags", "CUevent_flags", "CUmemLocationType", "CUmemAccess_flags"):
+            setattr(self, name, mock.MagicMock())
+        self.CUevent_flags.CU_EVENT_DISABLE_TIMING, self.CUevent_flags.CU_EVENT_BLOCKING_SYNC = 2, 1
+        self.CUmemorytype = types.SimpleNamespace(CU_MEMORYTYPE_HOST="host", CU_MEMORYTYPE_DEVICE="device")
+
+    def _count(self, name: str) -> None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    # contexts, mappings
+    def cuDevicePrimaryCtxRetain(self, ordinal: int) -> tuple[Any, object]:
+        return self.ok, object()
+
+    def cuDevicePrimaryCtxRelease(self, ordinal: int) -> tuple[Any]:
+        return (self.ok,)
+
+    def cuCtxPushCurrent(self, ctx: Any) -> tuple[Any]:
+        return (self.ok,)
+
+    def cuCtxPopCurrent(self) -> tuple[Any, None]:
+        return self.ok, None
+
+    def cuCtxSetCurrent(self, ctx: Any) -> tuple[Any]:
+        return (self.ok,)
+
+    def cuMemAddressReserve(self, size: int, *_: Any) -> tuple[Any, int]:
+        self.device = bytearray([PAD]) * size
+        return self.ok, DEVICE_BASE
+
+    def CUmemAccessDesc(self) -> Any:
+        return types.SimpleNamespace(location=types.SimpleNamespace(), flags=None)
+
+    def cuMemMap(self, *_: Any) -> tuple[Any]:
+        return (self.ok,)
+
+    cuMemSetAccess = cuMemUnmap = cuMemAddressFree = cuMemRelease = cuMemMap
+
+    # lanes: streams, events, pinned memory
+    def cuStreamCreate(self, flags: Any) -> tuple[Any, FakeStream]:
+        return self.ok, FakeStream()
+
+    def cuStreamSynchronize(self, stream: FakeStream) -> tuple[Any]:
+        stream.run()
+        return (self.ok,)
+
+    def cuStreamDestroy(self, stream: FakeStream) -> tuple[Any]:
+        assert not stream.queue, "a stream destroyed with copies pending"
+        return (self.ok,)
+
+    def cuEventCreate(self, flags: Any) -> tuple[Any, FakeEvent]:
+        return self.ok, FakeEvent()
+
+    def cuEventRecord(self, event: FakeEvent, stream: FakeStream) -> tuple[Any]:
+        event.stream, event.pending = stream, True
+        stream.queue.append(event)
+        return (self.ok,)
+
+    def cuEventSynchronize(self, event: FakeEvent) -> tuple[Any]:
+        if event.pending and event.stream is not None:
+            event.stream.run(until=event)
+        return (self.ok,)
+
+    def cuEventDestroy(self, event: FakeEvent) -> tuple[Any]:
+        return (self.ok,)
+
+    def cuMemHostAlloc(self, nbytes: int, flags: int) -> tuple[Any, int]:
+        buf = (ctypes.c_char * nbytes)()
+        self.host[ctypes.addressof(buf)] = buf
+        return self.ok, ctypes.addressof(buf)
+
+    def cuMemFreeHost(self, ptr: int) -> tuple[Any]:
+        del self.host[ptr]
+        return (self.ok,)
+
+    # copies
+    def _host_range(self, src: int, nbytes: int) -> None:
+        assert any(a <= src and src + nbytes <= a + ctypes.sizeof(b) for a, b in self.host.items()), \
+            f"{nbytes} bytes at {src:#x} are not in one pinned buffer"
+
+    def _device_range(self, dst: int, nbytes: int) -> int:
+        at = dst - DEVICE_BASE
+        assert 0 <= at and at + nbytes <= len(self.device), f"{nbytes} bytes at device offset {at} outside the arena"
+        return at
+
+    def cuMemcpyHtoDAsync(self, dst: int, src: int, nbytes: int, stream: FakeStream) -> tuple[Any]:
+        self._count("1d")
+        self._host_range(src, nbytes)
+        at = self._device_range(dst, nbytes)
+
+        def copy() -> None:
+            self.device[at : at + nbytes] = ctypes.string_at(src, nbytes)
+        stream.queue.append(copy)
+        return (self.ok,)
+
+    def CUDA_MEMCPY2D(self) -> Any:
+        return types.SimpleNamespace()
+
+    def cuMemcpy2DAsync(self, p: Any, stream: FakeStream) -> tuple[Any]:
+        self._count("2d")
+        assert (p.srcMemoryType, p.dstMemoryType) == ("host", "device")
+        src, spitch, dst, dpitch = p.srcHost, p.srcPitch, p.dstDevice, p.dstPitch
+        width, height = p.WidthInBytes, p.Height
+        assert 0 < width <= min(spitch, dpitch) and height > 0
+        self.rows.append(height)
+        self._host_range(src, spitch * (height - 1) + width)
+        at = self._device_range(dst, dpitch * (height - 1) + width)
+
+        def copy() -> None:  # the driver read `p` during the call: the values are taken now
+            for r in range(height):
+                self.device[at + r * dpitch : at + r * dpitch + width] = ctypes.string_at(src + r * spitch, width)
+        stream.queue.append(copy)
+        return (self.ok,)
+
+
+@pytest.fixture
+def cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """wcd.arenas.cuda over a FakeDriver (and a stand-in for cuda-bindings if it is not installed)."""
+    stand_in = False
+    try:
+        importlib.import_module("cuda.bindings.driver")
+    except ImportError:
+        stand_in = True
+        pkg, bindings = types.ModuleType("cuda"), types.ModuleType("cuda.bindings")
+        bindings.driver = mock.MagicMock()  # type: ignore[attr-defined]
+        pkg.bindings = bindings  # type: ignore[attr-defined]
+        for name, module in (("cuda", pkg), ("cuda.bindings", bindings), ("cuda.bindings.driver", bindings.driver)):
+            monkeypatch.setitem(sys.modules, name, module)
+        monkeypatch.delitem(sys.modules, "wcd.arenas.cuda", raising=False)
+    module = importlib.import_module("wcd.arenas.cuda")
+    fake = FakeDriver(module._SUCCESS)
+    monkeypatch.setattr(module, "cuda", fake)
+    module.fake = fake
+    yield module
+    if stand_in:
+        sys.modules.pop("wcd.arenas.cuda", None)  # the stand-in goes with the fixture
+
+
+def gpu(cuda: Any) -> Any:
+    return cuda.Gpu(0, "GPU-fake", "fake")
+
+
+def fill(cuda: Any, path: Path, lane_bytes: int = 4 << 20, batch: int = 4 << 20,
+         workers: int = 3) -> tuple[Checkpoint, Any]:
+    """Fill a CUDA arena (over the fake driver) from `path` with the daemon's loader; the manifest."""
+    ckpt = Checkpoint.open(path)
+    manifest = ckpt.manifest()
+    staging = cuda.Staging(gpu(cuda), lane_bytes, 2, 0)
+    arena = cuda.CudaArena(gpu(cuda), manifest.size, object(), os.open(os.devnull, os.O_RDONLY), staging, "test")
+    progress = Progress(ckpt.nbytes)
+    fill_arena(arena, ckpt, ckpt.copy_plan(manifest, batch=batch), progress, workers=workers)
+    arena.close()
+    assert progress.done == ckpt.nbytes and not staging.held
+    return ckpt, manifest
+
+
+def assert_landed(cuda: Any, ckpt: Checkpoint, manifest: Any) -> None:
+    """Every tensor's bytes at its arena offset, exactly."""
+    at = {t.name: t for t in manifest.tensors}
+    for h, fd in zip(ckpt.headers, ckpt.fds):
+        for t in h.tensors:
+            spec = at[t.name]
+            want = os.pread(fd, t.end - t.begin, t.begin)
+            assert bytes(cuda.fake.device[spec.offset : spec.offset + spec.nbytes]) == want, t.name
+
+
+def bf16(n: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def test_experts_of_one_shape_are_one_read_and_one_2d_copy_per_op(cuda: Any, tmp_path: Path) -> None:
+    # 16,000-byte tensors (not a multiple of 256): ~260 per 4 MiB op, each op one run.
+    save_file({f"e.{i:04d}": bf16(8000, i) for i in range(700)}, str(tmp_path / "m.safetensors"))
+    ckpt, manifest = fill(cuda, tmp_path / "m.safetensors")
+    ops = ckpt.copy_plan(manifest)
+    assert len(ops) == 3 and all(len(op.runs) == 1 for op in ops)
+    assert cuda.fake.calls == {"2d": 3} and sum(cuda.fake.rows) == 700
+    assert_landed(cuda, ckpt, manifest)
+
+
+def mixed(seed: int) -> dict[str, torch.Tensor]:
+    """Runs of equal tensors of several widths, odd sizes, aligned ones, zero-size ones, a big one."""
+    rng = random.Random(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    i = 0
+    for _ in range(40):
+        n = rng.choice([1, 1, 2, 3, 9, 30, 100])
+        elems = rng.choice([8000, 8000, 1, 3, 128, 700, 8001, 0, 4096, 20000])
+        for _ in range(n):
+            tensors[f"t.{i:05d}"] = bf16(elems, i)
+            i += 1
+    tensors["t.big"] = bf16(3 << 20, 7)  # 6 MiB: a direct copy between runs
+    tensors["u.i8"] = torch.randint(-128, 127, (33,), dtype=torch.int8, generator=torch.Generator().manual_seed(1))
+    return tensors
+
+
+@pytest.mark.parametrize("path", ["scatter", "gather", "chosen"])
+@pytest.mark.parametrize("lane_bytes", [4 << 20, 40_000, 16_000, 777])
+def test_mixed_runs_land_exactly_through_either_copy(cuda: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     path: str, lane_bytes: int) -> None:
+    """Buffers smaller than an op make `scatter` cut runs and rows at buffer ends (and `gather`,
+    which cannot fit, leave the op to `scatter`)."""
+    if path == "scatter":
+        monkeypatch.setattr(cuda, "SCATTER_PIECES_PER_COPY", 0)
+        monkeypatch.setattr(cuda, "SCATTER_MIN_ROW", 0)
+    elif path == "gather":
+        monkeypatch.setattr(cuda, "SCATTER_PIECES_PER_COPY", 10**9)
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    tensors = mixed(lane_bytes)
+    names = sorted(tensors)
+    save_file({n: tensors[n] for n in names[: len(names) // 2]}, str(d / "a.safetensors"))
+    save_file({n: tensors[n] for n in names[len(names) // 2 :]}, str(d / "b.safetensors"))
+    ckpt, manifest = fill(cuda, d, lane_bytes=lane_bytes, batch=1 << 20)
+    assert any(count > 1 and width % 256 for op in ckpt.copy_plan(manifest, batch=1 << 20)
+               for _, width, _, count in op.runs)
+    if path == "scatter":
+        assert cuda.fake.calls["2d"] > 0
+    if path == "gather" and lane_bytes >= 1 << 20:
+        assert "2d" not in cuda.fake.calls
+    assert_landed(cuda, ckpt, manifest)
+
+
+def lane_scatter(cuda: Any, lane_bytes: int, data: bytes, runs: tuple[tuple[int, int, int, int], ...],
+                 file_offset: int, tmp_path: Path) -> bytearray:
+    """One `_Lane.scatter` of `data[file_offset:]` into a fresh device arena; what the arena holds."""
+    f = tmp_path / "data"
+    f.write_bytes(data)
+    end = max(rel + stride * (count - 1) + width for rel, width, stride, count in runs)
+    cuda.fake.cuMemAddressReserve(end + 512)
+    lane = cuda._Lane(lane_bytes, 2)
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        lane.scatter(fd, file_offset, DEVICE_BASE + 256, runs)
+        lane.synchronize()
+    finally:
+        os.close(fd)
+        lane.close()
+    return cuda.fake.device
+
+
+@pytest.mark.parametrize("lane_bytes", [1, 5, 100, 999, 1000, 1001, 2999, 1 << 16])
+@pytest.mark.parametrize("runs", [
+    ((0, 1000, 1024, 3),),  # one run
+    ((0, 5, 256, 1),),  # a single piece
+    ((0, 1000, 1024, 2), (2048, 1, 256, 1), (2304, 300, 512, 4), (4352, 512, 512, 3), (5888, 1000, 1024, 1)),
+    ((0, 256, 256, 1), (256, 7, 256, 9), (2560, 2000, 2048, 2)),
+])
+def test_scatter_puts_every_piece_in_place_and_nothing_between(cuda: Any, tmp_path: Path, lane_bytes: int,
+                                                              runs: tuple[tuple[int, int, int, int], ...]) -> None:
+    data = random.Random(lane_bytes).randbytes(20_000)
+    file_offset = 123
+    device = lane_scatter(cuda, lane_bytes, data, runs, file_offset, tmp_path)
+    want = bytearray([PAD]) * len(device)
+    pos = file_offset
+    for run in runs:
+        for rel, n in run_pieces(run):
+            want[256 + rel : 256 + rel + n] = data[pos : pos + n]
+            pos += n
+    assert device == want
+    expected_2d = 0 if lane_bytes < 1000 else sum(1 for _, w, s, c in runs if c > 1 and s != w)
+    if lane_bytes >= 1 << 16:  # one buffer: a 2D copy per run of several unpadded rows, else plain copies
+        assert cuda.fake.calls.get("2d", 0) == expected_2d
+
+
+def test_scatter_at_the_end_of_a_file_fails_with_eio(cuda: Any, tmp_path: Path) -> None:
+    with pytest.raises(OSError, match="unexpected end of file"):
+        lane_scatter(cuda, 4096, b"x" * 3000, ((0, 1000, 1024, 3),), 1, tmp_path)
+
+
+def test_scatter_pays_for_many_wide_pieces_per_run_only(cuda: Any) -> None:
+    assert cuda.scatter_pays(((0, 16000, 16128, 260),))
+    assert cuda.scatter_pays(((0, 16000, 16128, 100), (1612800, 3, 256, 1)))
+    assert not cuda.scatter_pays(((0, 16000, 16128, 1), (16128, 2, 256, 1)))  # few pieces: gather them
+    assert not cuda.scatter_pays(((0, 64, 256, 500),))  # narrow rows
+    assert cuda.scatter_pays(((0, 64, 64, 500),))  # unpadded: one plain copy
+    assert not cuda.scatter_pays(())
