@@ -8,6 +8,7 @@
 #   bash bench/device_run.sh small    1.6 GB load benchmarks, 1,000 and 100,000 tensors
 #   bash bench/device_run.sh check    GPU tests, fixed costs, a wcd-only 16 GB load, restart
 #   bash bench/device_run.sh cold     cold read policies through the writer; wcd against two peers
+#   bash bench/device_run.sh round3   GPU tests, 1.6 GB loads (all loaders), 16 GB warm and cold, restart
 # Logs and JSON land in $OUT (the device tool brings them back).
 set -u
 cd "$(dirname "$0")/.."
@@ -51,6 +52,24 @@ write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-100000'), int(1.6e9), 100000, 4
       | tee "$OUT/load-16gb.log" | grep -v '"wcd_verify"' | cut -c1-400 | tail -14
     grep -E "admitting|loaded" "$OUT"/daemon-16gb*.log | cut -c1-300
     timeout 90 python3 bench/probe_load.py --steps verify --out "$OUT/probe-verify.json" 2>&1 | cut -c1-900 | tail -12 ;;
+  round3)  # GPU tests; 1.6 GB (1k, 100k) all loaders warm and cold; 16 GB warm (wcd) and cold (3); restart
+    timeout 150 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
+      | grep -E "FAILED|ERROR|passed|failed" | cut -c1-300
+    timeout 230 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 \
+      --ckpt 1.6:100000 --cold --reps 2 --loaders "$LOADERS" --out "$OUT/load-small.json" \
+      --daemon-log "$OUT/daemon-small.log" 2>&1 | tee "$OUT/load-small.log" | grep -v '"wcd_verify"' | grep '"mode": "cold", "direct\|"mode": "warm", "plain\|"mode": "warm", "wcd_verify' | cut -c1-900
+    grep -E "admitting|loaded" "$OUT"/daemon-small*.log | cut -c1-200
+    timeout 60 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 16:1000 --reps 3 \
+      --loaders wcd --out "$OUT/load-16gb-warm.json" --daemon-log "$OUT/daemon-16gb-warm.log" 2>&1 \
+      | tee "$OUT/load-16gb-warm.log" | tail -1 | cut -c1-600
+    grep -o '"pinned_h2d_GBps": [0-9.]*' "$OUT/load-16gb-warm.json"
+    grep -E "admitting|loaded" "$OUT/daemon-16gb-warm.log" | cut -c1-200
+    timeout 150 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 16:1000 --cold --reps 1 \
+      --loaders wcd,wcd-direct,fastsafetensors --out "$OUT/load-16gb-cold.json" --daemon-log "$OUT/daemon-16gb-cold.log" \
+      2>&1 | tee "$OUT/load-16gb-cold.log" | tail -1 | cut -c1-900
+    grep -E "loaded" "$OUT"/daemon-16gb-cold*.log | cut -c1-200
+    timeout 100 python3 bench/bench_restart.py --device cuda:0 --ckpt /tmp/wcd-bench-load/16gb-1000 \
+      --ckpt /tmp/wcd-bench-load/1.6gb-100000 2>&1 | tee "$OUT/restart.log" | tail -1 | cut -c1-900 ;;
   small)  # the 1.6 GB side-by-side load runs: 1,000 and 100,000 tensors, warm twice and cold
     timeout 500 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 \
       --ckpt 1.6:100000 --cold --reps 2 --loaders "$LOADERS" --out "$OUT/load-small.json" \
