@@ -57,16 +57,15 @@ write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-100000'), int(1.6e9), 100000, 4
       | grep -E "FAILED|ERROR|passed|failed" | cut -c1-300
     timeout 230 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 \
       --ckpt 1.6:100000 --cold --reps 2 --loaders "$LOADERS" --out "$OUT/load-small.json" \
-      --daemon-log "$OUT/daemon-small.log" 2>&1 | tee "$OUT/load-small.log" | grep -v '"wcd_verify"' | grep '"mode": "cold", "direct\|"mode": "warm", "plain\|"mode": "warm", "wcd_verify' | cut -c1-900
+      --daemon-log "$OUT/daemon-small.log" > "$OUT/load-small.log" 2>&1; python3 bench/summarize_load.py "$OUT/load-small.json"
     grep -E "admitting|loaded" "$OUT"/daemon-small*.log | cut -c1-200
     timeout 60 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 16:1000 --reps 3 \
-      --loaders wcd --out "$OUT/load-16gb-warm.json" --daemon-log "$OUT/daemon-16gb-warm.log" 2>&1 \
-      | tee "$OUT/load-16gb-warm.log" | tail -1 | cut -c1-600
-    grep -o '"pinned_h2d_GBps": [0-9.]*' "$OUT/load-16gb-warm.json"
+      --loaders wcd --out "$OUT/load-16gb-warm.json" --daemon-log "$OUT/daemon-16gb-warm.log" > "$OUT/load-16gb-warm.log" 2>&1
+    python3 bench/summarize_load.py "$OUT/load-16gb-warm.json"
     grep -E "admitting|loaded" "$OUT/daemon-16gb-warm.log" | cut -c1-200
     timeout 150 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 16:1000 --cold --reps 1 \
       --loaders wcd,wcd-direct,fastsafetensors --out "$OUT/load-16gb-cold.json" --daemon-log "$OUT/daemon-16gb-cold.log" \
-      2>&1 | tee "$OUT/load-16gb-cold.log" | tail -1 | cut -c1-900
+      > "$OUT/load-16gb-cold.log" 2>&1; python3 bench/summarize_load.py "$OUT/load-16gb-cold.json"
     grep -E "loaded" "$OUT"/daemon-16gb-cold*.log | cut -c1-200
     timeout 100 python3 bench/bench_restart.py --device cuda:0 --ckpt /tmp/wcd-bench-load/16gb-1000 \
       --ckpt /tmp/wcd-bench-load/1.6gb-100000 2>&1 | tee "$OUT/restart.log" | tail -1 | cut -c1-900 ;;
