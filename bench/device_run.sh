@@ -55,20 +55,26 @@ write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-100000'), int(1.6e9), 100000, 4
   round3)  # GPU tests; 1.6 GB (1k, 100k) all loaders warm and cold; 16 GB warm (wcd) and cold (3); restart
     timeout 150 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
       | grep -E "FAILED|ERROR|passed|failed" | cut -c1-300
-    timeout 230 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 \
-      --ckpt 1.6:100000 --cold --reps 2 --loaders "$LOADERS" --out "$OUT/load-small.json" \
-      --daemon-log "$OUT/daemon-small.log" > "$OUT/load-small.log" 2>&1; python3 bench/summarize_load.py "$OUT/load-small.json"
+    # SIGINT on timeout: the benchmark's finally stops its daemons and keeps their logs.
+    timeout -s INT -k 15 "${SMALL_S:-300}" python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load \
+      --ckpt 1.6:1000 --ckpt 1.6:100000 --cold --reps 2 --loaders "${SMALL_LOADERS:-$LOADERS}" \
+      --out "$OUT/load-small.json" --daemon-log "$OUT/daemon-small.log" > "$OUT/load-small.log" 2>&1
+    python3 bench/summarize_load.py "$OUT/load-small.json" || tail -5 "$OUT/load-small.log"
     grep -E "admitting|loaded" "$OUT"/daemon-small*.log | cut -c1-200
-    timeout 60 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 16:1000 --reps 3 \
-      --loaders wcd --out "$OUT/load-16gb-warm.json" --daemon-log "$OUT/daemon-16gb-warm.log" > "$OUT/load-16gb-warm.log" 2>&1
-    python3 bench/summarize_load.py "$OUT/load-16gb-warm.json"
-    grep -E "admitting|loaded" "$OUT/daemon-16gb-warm.log" | cut -c1-200
-    timeout 150 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 16:1000 --cold --reps 1 \
-      --loaders wcd,wcd-direct,fastsafetensors --out "$OUT/load-16gb-cold.json" --daemon-log "$OUT/daemon-16gb-cold.log" \
-      > "$OUT/load-16gb-cold.log" 2>&1; python3 bench/summarize_load.py "$OUT/load-16gb-cold.json"
-    grep -E "loaded" "$OUT"/daemon-16gb-cold*.log | cut -c1-200
-    timeout 100 python3 bench/bench_restart.py --device cuda:0 --ckpt /tmp/wcd-bench-load/16gb-1000 \
-      --ckpt /tmp/wcd-bench-load/1.6gb-100000 2>&1 | tee "$OUT/restart.log" | tail -1 | cut -c1-900 ;;
+    if [ -z "${SKIP_16:-}" ]; then
+      timeout -s INT -k 15 60 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 16:1000 \
+        --reps 3 --loaders wcd --out "$OUT/load-16gb-warm.json" --daemon-log "$OUT/daemon-16gb-warm.log" \
+        > "$OUT/load-16gb-warm.log" 2>&1
+      python3 bench/summarize_load.py "$OUT/load-16gb-warm.json"
+      grep -E "admitting|loaded" "$OUT/daemon-16gb-warm.log" | cut -c1-200
+      timeout -s INT -k 15 150 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 16:1000 \
+        --cold --reps 1 --loaders wcd,wcd-direct,fastsafetensors --out "$OUT/load-16gb-cold.json" \
+        --daemon-log "$OUT/daemon-16gb-cold.log" > "$OUT/load-16gb-cold.log" 2>&1
+      python3 bench/summarize_load.py "$OUT/load-16gb-cold.json"
+      grep -E "loaded" "$OUT"/daemon-16gb-cold*.log | cut -c1-200
+    fi
+    timeout -s INT -k 15 100 python3 bench/bench_restart.py --device cuda:0 --ckpt /tmp/wcd-bench-load/1.6gb-1000 \
+      --ckpt /tmp/wcd-bench-load/1.6gb-100000 2>&1 | tail -1 | cut -c1-900 ;;
   small)  # the 1.6 GB side-by-side load runs: 1,000 and 100,000 tensors, warm twice and cold
     timeout 500 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 \
       --ckpt 1.6:100000 --cold --reps 2 --loaders "$LOADERS" --out "$OUT/load-small.json" \
