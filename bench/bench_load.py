@@ -331,8 +331,8 @@ def main() -> int:
                 if args.daemon_log:  # wcd's there, wcd-direct's beside it (NAME.wcd-direct.log)
                     log = args.daemon_log if name == "wcd" else args.daemon_log.with_suffix(f".{name}.log")
                     log.write_bytes((Path(tmp) / name / "daemon.log").read_bytes())
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1))
+            if args.out:  # also what was measured before an interruption
+                args.out.write_text(json.dumps(result, indent=1))
     return 0
 
 
