@@ -55,14 +55,7 @@ def test_gpu_device_without_cuda_bindings_says_what_to_install(monkeypatch: pyte
 ])
 def test_gpu_device_without_a_driver_says_install_the_driver(monkeypatch: pytest.MonkeyPatch,
                                                              cu_init: mock.Mock) -> None:
-    driver = mock.MagicMock(name="cuda.bindings.driver")
-    driver.cuInit = cu_init
-    bindings = types.ModuleType("cuda.bindings")
-    bindings.driver = driver  # type: ignore[attr-defined]
-    package = types.ModuleType("cuda")
-    package.bindings = bindings  # type: ignore[attr-defined]
-    for name, module in (("cuda", package), ("cuda.bindings", bindings), ("cuda.bindings.driver", driver)):
-        monkeypatch.setitem(sys.modules, name, module)
+    _fake_bindings(monkeypatch, cu_init)
     with pytest.raises(DeviceUnavailable, match=r"CUDA driver not (available|usable) .*install the NVIDIA driver"):
         backend_for("cuda:0").canonical("cuda:0")
 

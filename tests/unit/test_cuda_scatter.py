@@ -8,12 +8,10 @@ by a scatter."""
 from __future__ import annotations
 
 import ctypes
-import importlib
 import os
 import random
-import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -22,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from tests.unit import test_staging
 from wcd.checkpoint import Checkpoint, run_pieces
 from wcd.loader import Progress, fill_arena
 
@@ -172,27 +171,16 @@ class FakeDriver:
         return (self.ok,)
 
 
+cuda_module = test_staging.cuda_module  # the fixture: wcd.arenas.cuda as it is, without a GPU
+
+
 @pytest.fixture
-def cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """wcd.arenas.cuda over a FakeDriver (and a stand-in for cuda-bindings if it is not installed)."""
-    stand_in = False
-    try:
-        importlib.import_module("cuda.bindings.driver")
-    except ImportError:
-        stand_in = True
-        pkg, bindings = types.ModuleType("cuda"), types.ModuleType("cuda.bindings")
-        bindings.driver = mock.MagicMock()  # type: ignore[attr-defined]
-        pkg.bindings = bindings  # type: ignore[attr-defined]
-        for name, module in (("cuda", pkg), ("cuda.bindings", bindings), ("cuda.bindings.driver", bindings.driver)):
-            monkeypatch.setitem(sys.modules, name, module)
-        monkeypatch.delitem(sys.modules, "wcd.arenas.cuda", raising=False)
-    module = importlib.import_module("wcd.arenas.cuda")
-    fake = FakeDriver(module._SUCCESS)
-    monkeypatch.setattr(module, "cuda", fake)
-    module.fake = fake
-    yield module
-    if stand_in:
-        sys.modules.pop("wcd.arenas.cuda", None)  # the stand-in goes with the fixture
+def cuda(cuda_module: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """wcd.arenas.cuda over a FakeDriver."""
+    fake = FakeDriver(cuda_module._SUCCESS)
+    monkeypatch.setattr(cuda_module, "cuda", fake)
+    cuda_module.fake = fake
+    return cuda_module
 
 
 def gpu(cuda: Any) -> Any:
