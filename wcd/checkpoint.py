@@ -406,12 +406,13 @@ class Checkpoint:
     read. `changed` tells whether an open file was written since. Close it (or use `with`).
     """
 
-    def __init__(self, path: Path, headers: tuple[Header, ...], fds: tuple[int, ...]) -> None:
+    def __init__(self, path: Path, headers: tuple[Header, ...], fds: tuple[int, ...], unique: bool = False) -> None:
+        """`unique`: the caller checked that no name is in two shards (`open` does)."""
         self.path = path
         self.headers = headers
         self.fds = fds
         self.opened = tuple(FileState.of(fd) for fd in fds)
-        self._unique = len(headers) < 2  # no name in two shards (one header's names are a dict's keys)
+        self._unique = unique or len(headers) < 2  # one header's names are a dict's keys
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], follow_links: bool = False, owner_check: bool = True) -> Checkpoint:
@@ -431,9 +432,7 @@ class Checkpoint:
                     if name in names:
                         raise LoadFailed(f"{p}: tensor {name!r} appears in more than one shard")
                     names.add(name)
-            ckpt = cls(p, headers, tuple(fd for _, fd in files))
-            ckpt._unique = True  # just checked
-            return ckpt
+            return cls(p, headers, tuple(fd for _, fd in files), unique=True)
         except BaseException:
             for _, fd in files:
                 os.close(fd)
