@@ -90,12 +90,17 @@ def test_start_driver_runs_cuinit_in_a_thread_only_for_a_gpu(monkeypatch: pytest
     assert cu_init.call_count == 1 and cu_init.call_args == mock.call(0)
 
 
+@pytest.mark.usefixtures("fresh")
 def test_start_driver_without_cuda_bindings_leaves_the_error_to_backend_for(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "cuda", None)
+    uncaught: list[object] = []
+    monkeypatch.setattr(threading, "excepthook", uncaught.append)
     start_driver(["GPU-1234"])
     for t in _driver_threads():
         t.join(5)
-        assert not t.is_alive()
+    assert not _driver_threads() and uncaught == []  # the thread kept the ImportError to itself
+    with pytest.raises(DeviceUnavailable, match="needs cuda-bindings"):  # said once, by backend_for
+        backend_for("GPU-1234")
 
 
 def test_the_daemons_start_up_imports_no_prometheus_and_no_cuda_for_a_host_config() -> None:
