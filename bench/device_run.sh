@@ -9,6 +9,7 @@
 #   bash bench/device_run.sh check    GPU tests, fixed costs, a wcd-only 16 GB load, restart
 #   bash bench/device_run.sh cold     cold read policies through the writer; wcd against two peers
 #   bash bench/device_run.sh round3   GPU tests, 1.6 GB loads (all loaders), 16 GB warm and cold, restart
+#   bash bench/device_run.sh regress [GB]  warm loads of oldtree/ (an older revision) against this tree's
 # Logs and JSON land in $OUT (the device tool brings them back).
 set -u
 cd "$(dirname "$0")/.."
@@ -75,6 +76,16 @@ write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-100000'), int(1.6e9), 100000, 4
     fi
     timeout -s INT -k 15 100 python3 bench/bench_restart.py --device cuda:0 --ckpt /tmp/wcd-bench-load/1.6gb-1000 \
       --ckpt /tmp/wcd-bench-load/1.6gb-100000 2>&1 | tail -1 | cut -c1-900 ;;
+  regress)  # warm loads of the code at REV (in oldtree/, made here by `git archive REV wcd bench tests |
+    # tar -x -C oldtree`, carried with carry ["oldtree"]) against this tree's, alternately, one machine
+    i=0
+    for t in old new old new; do
+      i=$((i + 1)); R=$PWD; [ $t = old ] && R=$PWD/oldtree
+      (cd "$R" && PYTHONPATH=/tmp/site:$R timeout -s INT 90 python3 bench/bench_load.py --device cuda:0 --dir /tmp/bl \
+        --ckpt "${2:-8}:1000" --reps 3 --loaders wcd --out "$OUT/$t-$i.json" --daemon-log "$OUT/$t-$i.log" \
+        > "$OUT/$t-$i.out" 2>&1)
+      echo "== $t $i"; grep -E "loaded" "$OUT/$t-$i.log" | cut -c1-110
+    done ;;
   small)  # the 1.6 GB side-by-side load runs: 1,000 and 100,000 tensors, warm twice and cold
     timeout 500 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 \
       --ckpt 1.6:100000 --cold --reps 2 --loaders "$LOADERS" --out "$OUT/load-small.json" \
