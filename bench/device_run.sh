@@ -9,6 +9,7 @@
 #   bash bench/device_run.sh check    GPU tests, fixed costs, a wcd-only 16 GB load, restart
 #   bash bench/device_run.sh cold     cold read policies through the writer; wcd against two peers
 #   bash bench/device_run.sh round3   GPU tests, 1.6 GB loads (all loaders), 16 GB warm and cold, restart
+#   bash bench/device_run.sh explore      NUMA and disk layout, probe warm/mapped/cold, wcd beside fastsafetensors
 #   bash bench/device_run.sh regress [GB]  warm loads of oldtree/ (an older revision) against this tree's
 # Logs and JSON land in $OUT (the device tool brings them back).
 set -u
@@ -86,6 +87,17 @@ write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-100000'), int(1.6e9), 100000, 4
         > "$OUT/$t-$i.out" 2>&1)
       echo "== $t $i"; grep -E "loaded" "$OUT/$t-$i.log" | cut -c1-110
     done ;;
+  explore)  # the host's layout (NUMA, disk queue), the probe's warm, mapped and cold steps, wcd beside fastsafetensors
+    { lscpu | grep -E "Model name|Socket|NUMA"; nvidia-smi topo -m; findmnt -T /tmp; lsblk -o NAME,ROTA,SIZE,MODEL,TYPE
+      for q in read_ahead_kb max_sectors_kb nr_requests scheduler; do echo "$q: $(cat /sys/block/*/queue/$q | tr '\n' ' ')"; done
+      for d in /sys/bus/pci/devices/*; do [ "$(cat $d/vendor)" = 0x10de ] && echo "gpu $d numa $(cat $d/numa_node)"; done
+    } > "$OUT/sysinfo.txt" 2>&1; cat "$OUT/sysinfo.txt"
+    timeout -s INT 300 python3 bench/probe_load.py --steps warm,mapped,cold --out "$OUT/probe-explore.json" 2>&1 \
+      | tee "$OUT/probe-explore.log" | cut -c1-600
+    timeout -s INT 150 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 16:1000 --cold \
+      --reps 1 --loaders wcd,fastsafetensors --out "$OUT/load-explore.json" --daemon-log "$OUT/daemon-explore.log" 2>&1 \
+      | grep -v '"wcd_verify"' | cut -c1-400 | tail -6
+    grep -E "admitting|loaded" "$OUT"/daemon-explore*.log | cut -c1-200 ;;
   small)  # the 1.6 GB side-by-side load runs: 1,000 and 100,000 tensors, warm twice and cold
     timeout 500 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 \
       --ckpt 1.6:100000 --cold --reps 2 --loaders "$LOADERS" --out "$OUT/load-small.json" \

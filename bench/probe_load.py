@@ -199,6 +199,93 @@ def host_register(file: Path) -> dict[str, object]:
     return out
 
 
+def mapped_fill(files: list[Path], configs: list[tuple[int, int, bool]]) -> list[dict[str, object]]:
+    """Warm fills with no staging copy: each thread registers a page-aligned piece of a file's shared
+    mmap (`cuMemHostRegister`, read-only), copies it to the device from there, and unregisters it
+    (pipelined: the previous piece is waited for and unregistered after the next is issued).
+    Per (threads, piece bytes, pipelined); the time each thread spent in register and unregister is
+    summed to show whether the driver serialises them."""
+    from cuda.bindings import driver as cu
+
+    from wcd.arenas import cuda
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    gpu = cuda.find_gpu("cuda:0")
+    ctx = cuda.retain_context(gpu)
+    cu.cuCtxSetCurrent(ctx)
+    sizes = [f.stat().st_size for f in files]
+    maps = []
+    for f, size in zip(files, sizes):
+        fd = os.open(f, os.O_RDONLY)
+        maps.append(libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0))
+        os.close(fd)
+    total = sum(sizes)
+    err, dst = cu.cuMemAlloc(total)
+    bases = [sum(sizes[:i]) for i in range(len(sizes))]
+    out = []
+    try:
+        for threads, piece, pipelined in configs:
+            jobs = [(i, pos, min(piece, size - pos)) for i, size in enumerate(sizes) for pos in range(0, size, piece)]
+            per = [jobs[k::threads] for k in range(threads)]
+            spent = [0.0, 0.0]
+            lock = threading.Lock()
+            errors: list[str] = []
+
+            def run(mine: list[tuple[int, int, int]]) -> None:
+                cu.cuCtxSetCurrent(ctx)
+                stream = cu.cuStreamCreate(1)[1]
+                reg = unreg = 0.0
+                pending: list[tuple[int, Any]] = []
+
+                def finish(addr: int, event: Any) -> None:
+                    nonlocal unreg
+                    cu.cuEventSynchronize(event)
+                    cu.cuEventDestroy(event)
+                    t = time.perf_counter()
+                    cu.cuMemHostUnregister(addr)
+                    unreg += time.perf_counter() - t
+
+                for i, pos, n in mine:
+                    addr = maps[i] + pos
+                    t = time.perf_counter()
+                    e, = cu.cuMemHostRegister(addr, -(-n // 4096) * 4096, 0x08)
+                    reg += time.perf_counter() - t
+                    if e != cu.CUresult.CUDA_SUCCESS:
+                        errors.append(str(e))
+                        return
+                    cu.cuMemcpyHtoDAsync(int(dst) + bases[i] + pos, addr, n, stream)
+                    event = cu.cuEventCreate(2 | 1)[1]  # disable timing, blocking sync
+                    cu.cuEventRecord(event, stream)
+                    pending.append((addr, event))
+                    while len(pending) > (1 if pipelined else 0):
+                        finish(*pending.pop(0))
+                while pending:
+                    finish(*pending.pop(0))
+                cu.cuStreamDestroy(stream)
+                with lock:
+                    spent[0] += reg
+                    spent[1] += unreg
+
+            t = time.perf_counter()
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(run, per))
+            seconds = time.perf_counter() - t
+            row = {"threads": threads, "piece_MiB": piece >> 20, "pipelined": pipelined, "seconds": seconds,
+                   "GBps": total / seconds / 1e9, "register_s_sum": spent[0], "unregister_s_sum": spent[1],
+                   "errors": errors[:2]}
+            print(json.dumps(row), flush=True)
+            out.append(row)
+    finally:
+        cu.cuMemFree(dst)
+        for a, size in zip(maps, sizes):
+            libc.munmap(a, size)
+        cuda.release_context(gpu)
+    return out
+
+
 def cold_read(files: list[Path], threads: int, chunk: int, direct: bool, fadvise: bool,
               interleave: bool) -> float:
     """GB/s of reading `files` whole after dropping the page cache."""
@@ -347,7 +434,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", type=Path, default=Path("/tmp/wcd-bench-load"))
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--steps", default="fixed,hashes,d2h,verify,register,warm,cold,coldfill")
+    ap.add_argument("--steps", default="fixed,hashes,d2h,verify,register,warm,cold,coldfill,mapped")
     args = ap.parse_args()
     steps = set(args.steps.split(","))
     result: dict[str, object] = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count()}
@@ -363,7 +450,7 @@ def main() -> int:
         print(name, round(time.perf_counter() - t, 1), "s:", json.dumps(result[name])[:2000], flush=True)
 
     d = args.dir / "16gb-1000"
-    files = write_checkpoint(d, int(16e9), 1000, 4) if steps & {"register", "warm", "cold", "coldfill"} else []
+    files = write_checkpoint(d, int(16e9), 1000, 4) if steps & {"register", "warm", "cold", "coldfill", "mapped"} else []
     step("fixed", fixed_costs)
     step("hashes", hashes, os.cpu_count() or 2)
     step("d2h", lambda: {n: d2h(n) for n in (1, 4, 16)})
@@ -382,6 +469,8 @@ def main() -> int:
                                  (32, 16 << 20, True, False, False), (16, 64 << 20, True, False, True),
                                  (64, 4 << 20, True, False, True)]])
     step("coldfill", lambda: cold_fills(d, 16))
+    step("mapped", mapped_fill, files, [(16, 64 << 20, True), (16, 16 << 20, True), (8, 64 << 20, True),
+                                        (16, 64 << 20, False), (4, 64 << 20, True), (32, 32 << 20, True)])
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
     return 0
