@@ -465,9 +465,11 @@ class Checkpoint:
                                      b"".join(h.dtype_codes for h in headers), tuple(index), ids,
                                      list(chain.from_iterable(h.sizes for h in headers)), unique=self._unique)
 
-    def copy_plan(self, manifest: Manifest, chunk: int = 64 << 20, batch: int = BATCH_BYTES) -> list[CopyOp]:
+    def copy_plan(self, manifest: Manifest, chunk: int = 64 << 20,
+                  batch: int | Sequence[int] = BATCH_BYTES) -> list[CopyOp]:
         """Reads that fill an arena of `manifest`, in file order.
 
+        `batch` is one for all shards or one per shard (the writer reads cold files in larger pieces).
         Tensors of at least `batch` bytes become direct copies, split into `chunk`-byte pieces.
         Runs of smaller tensors that lie back to back in the file become one op each, of at most
         `batch` arena bytes and `MAX_PIECES` tensors: one read of the whole file range, scattered
@@ -482,8 +484,12 @@ class Checkpoint:
         if any(_le_bytes(offsets)[0::8]):  # 256 = 2**8: aligned offsets have a zero low byte
             raise ValueError("copy_plan needs a manifest of aligned offsets")
         ops: list[CopyOp] = []
+        batches = [batch] * len(self.headers) if isinstance(batch, int) else list(batch)
+        if len(batches) != len(self.headers):
+            raise ValueError("copy_plan needs one batch size per shard")
         i = 0
         for shard, h in enumerate(self.headers):
+            batch = batches[shard]
             n = len(h.names)
             begins, ends, sizes = h.begins, h.ends, h.sizes
             ats: Sequence[int] = offsets[i : i + n]

@@ -28,7 +28,7 @@ from typing import Protocol
 
 from wcd import key
 from wcd.arenas.base import Arena, ArenaReader, pread_into
-from wcd.checkpoint import Checkpoint, CopyOp
+from wcd.checkpoint import BATCH_BYTES, Checkpoint, CopyOp
 from wcd.errors import LoadFailed
 from wcd.manifest import Manifest
 
@@ -102,11 +102,13 @@ def _libc() -> ctypes.CDLL:
 
 
 def fill_arena(
-    arena: Arena, checkpoint: Checkpoint, ops: list[CopyOp], progress: ProgressSink,
+    arena: Arena, checkpoint: Checkpoint, plan: list[CopyOp] | Manifest, progress: ProgressSink,
     cancelled: Callable[[], bool] = lambda: False, workers: int | None = None, fingerprint: str | None = None,
 ) -> None:
     """Blocking: run every copy op, `workers` at a time, through the checkpoint's open descriptors.
-    Call it from a thread, never the loop.
+    Call it from a thread, never the loop. `plan` is the ops, or the manifest to plan them from
+    once the writer knows which files are in the page cache (it may read the others in larger
+    pieces: `ArenaWriter.batch_bytes`).
 
     Then fail (`LoadFailed`) if a shard was written meanwhile: its size or times changed since it
     was opened, or (given the fingerprint taken at admission) its sampled bytes differ now. Either
@@ -116,6 +118,8 @@ def fill_arena(
     try:
         for fd in checkpoint.fds:
             writer.hint(fd, cached_fraction(fd))
+        ops = plan if not isinstance(plan, Manifest) else \
+            checkpoint.copy_plan(plan, batch=[writer.batch_bytes(fd) or BATCH_BYTES for fd in checkpoint.fds])
         failed = threading.Event()  # one failed chunk stops the others early
 
         def run(op: CopyOp) -> None:

@@ -194,8 +194,8 @@ class Residency:
         workers = self.state.config.daemon.load_workers or default_workers()
 
         def fill(arena: Arena) -> None:
-            # The plan walks every tensor (a while for 10^5): here in the worker, not on the loop.
-            fill_arena(arena, ckpt, ckpt.copy_plan(manifest), _EntryProgress(entry),
+            # The plan walks every tensor (a while for 10^5): in the worker, not on the loop.
+            fill_arena(arena, ckpt, manifest, _EntryProgress(entry),
                        lambda: entry.state == "evicting", workers, entry.key.fingerprint)
             arena.seal()
 

@@ -191,6 +191,20 @@ def test_copy_plan_batches_small_tensors(tmp_path: Path) -> None:
         assert bytes(arena[spec.offset : spec.offset + spec.nbytes]) == raw_bytes(tensors[spec.name])
 
 
+def test_copy_plan_takes_a_batch_per_shard(tmp_path: Path) -> None:
+    for k in range(2):
+        save_file({f"s{k}.t{i:04d}": torch.full((1000,), i % 100, dtype=torch.int8) for i in range(100)},
+                  str(tmp_path / f"m{k}.safetensors"))
+    ckpt = Checkpoint.open(tmp_path)
+    m = ckpt.manifest()
+    plan = ckpt.copy_plan(m, batch=[8192, 65536])
+    sizes = {shard: [op.nbytes for op in plan if op.shard == shard] for shard in (0, 1)}
+    assert max(sizes[0]) <= 8192 < max(sizes[1]) <= 65536
+    assert sum(map(len, sizes.values())) < len(ckpt.copy_plan(m, batch=8192))
+    with pytest.raises(ValueError, match="one batch size per shard"):
+        ckpt.copy_plan(m, batch=[8192])
+
+
 def test_copy_plan_splits_large_tensors(single: tuple[Path, dict[str, torch.Tensor]]) -> None:
     file, tensors = single
     ckpt = Checkpoint.open(file)

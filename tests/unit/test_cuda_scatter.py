@@ -322,3 +322,52 @@ def test_scatter_pays_for_many_wide_pieces_per_run_only(cuda: Any) -> None:
     assert not cuda.scatter_pays(((0, 64, 256, 500),))  # narrow rows
     assert cuda.scatter_pays(((0, 64, 64, 500),))  # unpadded: one plain copy
     assert not cuda.scatter_pays(())
+
+
+@pytest.mark.parametrize("path", ["scatter", "gather"])
+def test_cold_files_are_planned_in_cold_reads_and_land_exactly(cuda: Any, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """Given the manifest, the loader plans after the writer's hints: a file not in the page cache
+    gets ops of small tensors as large as one cold read, and the lanes grow to carry them."""
+    import wcd.loader
+
+    if path == "scatter":
+        monkeypatch.setattr(cuda, "SCATTER_PIECES_PER_COPY", 0)
+        monkeypatch.setattr(cuda, "SCATTER_MIN_ROW", 0)
+    else:
+        monkeypatch.setattr(cuda, "SCATTER_PIECES_PER_COPY", 10**9)
+    monkeypatch.setattr(cuda, "COLD_READ_BYTES", 200_000)
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    tensors = mixed(5)
+    names = sorted(tensors)
+    save_file({n: tensors[n] for n in names[: len(names) // 2]}, str(d / "a.safetensors"))
+    save_file({n: tensors[n] for n in names[len(names) // 2 :]}, str(d / "b.safetensors"))
+    ckpt = Checkpoint.open(d)
+    manifest = ckpt.manifest()
+    cold_fd = ckpt.fds[1]
+    monkeypatch.setattr(wcd.loader, "cached_fraction", lambda fd: 0.0 if fd == cold_fd else 1.0)
+    planned: list[Any] = []
+    plan = ckpt.copy_plan
+
+    def spy(m: Any, chunk: int = 64 << 20, batch: Any = 4 << 20) -> Any:
+        planned.append(batch)
+        return plan(m, chunk, batch)
+
+    monkeypatch.setattr(ckpt, "copy_plan", spy)
+    staging = cuda.Staging(gpu(cuda), 40_000, 2, 0)
+    grown: list[int] = []
+    give = staging.give
+    monkeypatch.setattr(staging, "give", lambda lanes: (grown.extend(lane.nbytes for lane in lanes), give(lanes)))
+    arena = cuda.CudaArena(gpu(cuda), manifest.size, object(), os.open(os.devnull, os.O_RDONLY), staging, "test")
+    progress = Progress(ckpt.nbytes)
+    fill_arena(arena, ckpt, manifest, progress, workers=3)
+    arena.close()
+    assert planned == [[40_000, 200_000]]
+    assert 200_000 in grown and progress.done == ckpt.nbytes
+    ops = plan(manifest, batch=[40_000, 200_000])
+    assert max(op.nbytes for op in ops if op.shard == 1 and op.runs) > 40_000
+    if path == "gather":  # the grown lanes gathered the cold ops whole: nothing fell back to 2D copies
+        assert "2d" not in cuda.fake.calls
+    assert_landed(cuda, ckpt, manifest)
+    ckpt.close()

@@ -55,6 +55,11 @@ class ArenaWriter(ABC):
         writers may read cold files differently. This default ignores it."""
         return None
 
+    def batch_bytes(self, fd: int) -> int | None:
+        """After `hint`: how many arena bytes of small tensors of the file `fd` one op should span
+        (what this writer reads at once from it); None: the plan's default."""
+        return None
+
     @abstractmethod
     def close(self) -> None:
         """Wait for outstanding copies and release staging resources."""
