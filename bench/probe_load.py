@@ -104,9 +104,24 @@ def warm_sweep(ckpt_dir: Path, configs: list[tuple[int, int, int]]) -> list[dict
                 t3 = time.perf_counter()
             finally:
                 arena.close()
+            # Third: lanes reused, into an arena never written (as a load's is): what fresh memory costs.
+            arena = backend.create("cuda:0", manifest.size, "probe")
+            try:
+                writer = arena.writer()
+                with ThreadPoolExecutor(threads) as pool:
+                    t = time.perf_counter()
+                    list(pool.map(functools.partial(_run_op, writer, ckpt.fds), ops))
+                    cuda._check(cuda.cuda.cuCtxSetCurrent(hold), "set")
+                    cuda._check(cuda.cuda.cuCtxSynchronize(), "sync")
+                    passes.append(time.perf_counter() - t)
+                writer.close()
+            finally:
+                arena.close()
+            backend.release()
             row = {"threads": threads, "staging_MiB": mib, "buffers": buffers, "writer_open_s": t1 - t0,
-                   "fill_first_s": passes[0], "fill_reused_s": passes[1], "close_s": t3 - t2,
-                   "GBps_first": nbytes / passes[0] / 1e9, "GBps_reused": nbytes / passes[1] / 1e9}
+                   "fill_first_s": passes[0], "fill_reused_s": passes[1], "fill_fresh_s": passes[2],
+                   "close_s": t3 - t2, "GBps_first": nbytes / passes[0] / 1e9, "GBps_reused": nbytes / passes[1] / 1e9,
+                   "GBps_fresh_arena": nbytes / passes[2] / 1e9}
             print(json.dumps(row), flush=True)
             out.append(row)
     cuda.release_context(gpu)
