@@ -207,7 +207,8 @@ class Daemon:
         config.write_text(f'[daemon]\nsocket = "{self.socket}"\nbudget = {{ "{device}" = {budget} }}\n'
                           f'cold_reads = "{cold_reads}"\n')
         self.log = open(root / "daemon.log", "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "wcd", "serve", "--config", str(config)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "wcd", "serve", "--config", str(config),
+                                      "--log-level", os.environ.get("BENCH_DAEMON_LOG_LEVEL", "info")],
                                      stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
         connect(self.socket, wait_s=60, while_alive=lambda: self.proc.poll() is None, heartbeats=False).close()
 

@@ -390,6 +390,70 @@ def d2h(threads: int, nbytes: int = 16 << 20, reps: int = 32) -> float:
     return threads * reps * nbytes / seconds / 1e9
 
 
+def warm_parts(files: list[Path], threads: int = 16, piece: int = 4 << 20) -> dict[str, object]:
+    """The staged warm fill taken apart, lanes as the writer's (`threads` x 2 pinned `piece` buffers):
+    page cache -> pinned reads alone, pinned -> device copies alone (same bytes, no reads), both
+    (the writer's loop, bare: no plan, no Python per op), and what one driver call costs."""
+    from cuda.bindings import driver as cu
+
+    from wcd.arenas import cuda
+    from wcd.arenas.base import pread_into
+
+    gpu = cuda.find_gpu("cuda:0")
+    ctx = cuda.retain_context(gpu)
+    cu.cuCtxSetCurrent(ctx)
+    fds = [os.open(f, os.O_RDONLY) for f in files]
+    sizes = [os.fstat(fd).st_size for fd in fds]
+    total = sum(sizes)
+    err, dst = cu.cuMemAlloc(total)
+    bases = [sum(sizes[:i]) for i in range(len(sizes))]
+    jobs = [(i, pos, min(piece, size - pos)) for i, size in enumerate(sizes) for pos in range(0, size, piece)]
+    lanes = [cuda._Lane(piece, 2) for _ in range(threads)]
+    out: dict[str, object] = {"threads": threads, "piece_MiB": piece >> 20, "GB": total / 1e9}
+
+    def run(mode: str) -> float:
+        def work(k: int) -> None:
+            cu.cuCtxSetCurrent(ctx)
+            lane = lanes[k]
+            for n_job, (i, pos, n) in enumerate(jobs[k::threads]):
+                b = n_job % 2
+                cu.cuEventSynchronize(lane.events[b])
+                if mode != "copies":
+                    pread_into(fds[i], lane.views[b][:n], pos)
+                if mode != "reads":
+                    cu.cuMemcpyHtoDAsync(int(dst) + bases[i] + pos, lane.ptrs[b], n, lane.stream)
+                    cu.cuEventRecord(lane.events[b], lane.stream)
+            lane.synchronize()
+
+        t = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(work, range(threads)))
+        return total / (time.perf_counter() - t) / 1e9
+
+    try:
+        for mode in ("both", "reads", "copies", "both", "reads", "copies"):
+            out[f"{mode}_GBps"] = max(run(mode), float(out.get(f"{mode}_GBps", 0.0)))  # type: ignore[arg-type]
+        lane = lanes[0]
+        calls = {"cuCtxSetCurrent": lambda: cu.cuCtxSetCurrent(ctx),
+                 "cuEventSynchronize": lambda: cu.cuEventSynchronize(lane.events[0]),
+                 "cuEventRecord": lambda: cu.cuEventRecord(lane.events[0], lane.stream),
+                 "cuMemcpyHtoDAsync_4B": lambda: cu.cuMemcpyHtoDAsync(int(dst), lane.ptrs[0], 4, lane.stream)}
+        for name, call in calls.items():
+            t = time.perf_counter()
+            for _ in range(20000):
+                call()
+            out[f"{name}_us"] = (time.perf_counter() - t) / 20000 * 1e6
+            lane.synchronize()
+    finally:
+        for lane in lanes:
+            lane.close()
+        cu.cuMemFree(dst)
+        for fd in fds:
+            os.close(fd)
+        cuda.release_context(gpu)
+    return out
+
+
 def _reads_alone(arena: Any, tasks: list[Any]) -> float:
     """Seconds to read every task's span through one reader per thread, as verify does, unhashed."""
     from wcd import loader
@@ -449,7 +513,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", type=Path, default=Path("/tmp/wcd-bench-load"))
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--steps", default="fixed,hashes,d2h,verify,register,warm,cold,coldfill,mapped")
+    ap.add_argument("--steps", default="fixed,hashes,d2h,verify,register,warm,cold,coldfill,mapped,parts")
     args = ap.parse_args()
     steps = set(args.steps.split(","))
     result: dict[str, object] = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count()}
@@ -465,7 +529,7 @@ def main() -> int:
         print(name, round(time.perf_counter() - t, 1), "s:", json.dumps(result[name])[:2000], flush=True)
 
     d = args.dir / "16gb-1000"
-    files = write_checkpoint(d, int(16e9), 1000, 4) if steps & {"register", "warm", "cold", "coldfill", "mapped"} else []
+    files = write_checkpoint(d, int(16e9), 1000, 4) if steps & {"register", "warm", "cold", "coldfill", "mapped", "parts"} else []
     step("fixed", fixed_costs)
     step("hashes", hashes, os.cpu_count() or 2)
     step("d2h", lambda: {n: d2h(n) for n in (1, 4, 16)})
@@ -473,6 +537,7 @@ def main() -> int:
     if files:
         warm(files)
     step("register", lambda: host_register(files[0]))
+    step("parts", warm_parts, files)
     step("warm", warm_sweep, d, [(8, 4, 2), (16, 4, 2), (16, 8, 2), (16, 16, 2), (16, 4, 3), (12, 8, 2),
                                        (24, 4, 2), (16, 32, 2)])
     step("cold", lambda: [

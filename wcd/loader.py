@@ -16,9 +16,11 @@ import contextlib
 import ctypes
 import functools
 import hashlib
+import logging
 import mmap
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -31,6 +33,8 @@ from wcd.arenas.base import Arena, ArenaReader, pread_into
 from wcd.checkpoint import BATCH_BYTES, Checkpoint, CopyOp
 from wcd.errors import LoadFailed
 from wcd.manifest import Manifest
+
+log = logging.getLogger("wcd")
 
 
 class Cancelled(Exception):
@@ -114,12 +118,15 @@ def fill_arena(
     was opened, or (given the fingerprint taken at admission) its sampled bytes differ now. Either
     would leave the arena with a mix of old and new bytes under the old fingerprint.
     """
+    times = [time.perf_counter()]
     writer = arena.writer()
+    times.append(time.perf_counter())
     try:
         for fd in checkpoint.fds:
             writer.hint(fd, cached_fraction(fd))
         ops = plan if not isinstance(plan, Manifest) else \
             checkpoint.copy_plan(plan, batch=[writer.batch_bytes(fd) or BATCH_BYTES for fd in checkpoint.fds])
+        times.append(time.perf_counter())
         failed = threading.Event()  # one failed chunk stops the others early
 
         def run(op: CopyOp) -> None:
@@ -144,16 +151,22 @@ def fill_arena(
             raise real[0]
         if errors:
             raise Cancelled()
+        times.append(time.perf_counter())
         changed = checkpoint.changed()
         if not changed and fingerprint is not None and key.fingerprint(checkpoint) != fingerprint:
             changed = [checkpoint.path]
         if changed:
             raise LoadFailed(f"{changed[0]} changed while it was being loaded (written in place?); nothing "
                              "was kept: load it again once it is complete")
+        times.append(time.perf_counter())
     except OSError as e:
         raise LoadFailed(f"{checkpoint.path}: read failed: {e.strerror or e}") from None
     finally:
         writer.close()
+    times.append(time.perf_counter())
+    log.debug("filled from %s: writer %.3f s, hints and plan %.3f s, %d copies %.3f s, checks %.3f s, close %.3f s",
+              checkpoint.path, *(b - a for a, b in zip(times[:3], times[1:3])), len(ops),
+              *(b - a for a, b in zip(times[2:], times[3:])))
 
 
 DIGEST_CHUNK = 16 << 20
