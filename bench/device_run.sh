@@ -11,6 +11,7 @@
 #   bash bench/device_run.sh round3   GPU tests, 1.6 GB loads (all loaders), 16 GB warm and cold, restart
 #   bash bench/device_run.sh explore      NUMA and disk layout, probe warm/mapped/cold, wcd beside fastsafetensors
 #   bash bench/device_run.sh diag         the warm fill and the op taken apart; 1.6 GB cold beside fastsafetensors
+#   bash bench/device_run.sh sweep        staging sizes (bare loop), cold reads with WILLNEED, the 1.6 GB cold op's parts
 #   bash bench/device_run.sh regress [GB]  warm loads of oldtree/ (an older revision) against this tree's
 # Logs and JSON land in $OUT (the device tool brings them back).
 set -u
@@ -107,6 +108,13 @@ write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-100000'), int(1.6e9), 100000, 4
     timeout -s INT 150 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --cold \
       --reps 2 --loaders wcd,fastsafetensors --out "$OUT/load-diag-small.json" 2>&1 | grep -v '"wcd_verify"' | cut -c1-300 | tail -5
     grep -E "filled from|loaded" "$OUT"/daemon-diag*.log | cut -c1-250 ;;
+  sweep)  # staging buffer sizes on the bare loop (interleaved rounds), cold reads with WILLNEED, 1.6 GB cold op's parts
+    timeout -s INT 200 python3 bench/probe_load.py --steps staging,coldahead --out "$OUT/probe-sweep.json" 2>&1 \
+      | tee "$OUT/probe-sweep.log" | grep -v "^staging \|^coldahead " | cut -c1-300
+    BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT 150 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load \
+      --ckpt 1.6:1000 --cold --reps 2 --loaders wcd,fastsafetensors --out "$OUT/load-sweep-small.json" \
+      --daemon-log "$OUT/daemon-sweep.log" 2>&1 | grep -v '"wcd_verify"' | cut -c1-300 | tail -3
+    grep -E "filled from|loaded|admitting" "$OUT"/daemon-sweep*.log | cut -c1-250 ;;
   small)  # the 1.6 GB side-by-side load runs: 1,000 and 100,000 tensors, warm twice and cold
     timeout 500 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 \
       --ckpt 1.6:100000 --cold --reps 2 --loaders "$LOADERS" --out "$OUT/load-small.json" \

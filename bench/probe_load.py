@@ -301,17 +301,21 @@ def mapped_fill(files: list[Path], configs: list[tuple[int, int, bool]]) -> list
     return out
 
 
-def cold_read(files: list[Path], threads: int, chunk: int, direct: bool, fadvise: bool,
+def cold_read(files: list[Path], threads: int, chunk: int, direct: bool, fadvise: bool | str,
               interleave: bool) -> float:
     """GB/s of reading `files` whole after dropping the page cache."""
     drop_caches()
     flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
     fds = [os.open(f, flags) for f in files]
     try:
-        if fadvise:
+        sizes = [os.fstat(fd).st_size for fd in fds]
+        ahead: list[threading.Thread] = []
+        if fadvise == "willneed":  # the kernel reads each whole file ahead, queued at once, from a thread per file
+            ahead = [threading.Thread(target=os.posix_fadvise, args=(fd, 0, size, os.POSIX_FADV_WILLNEED))
+                     for fd, size in zip(fds, sizes)]
+        elif fadvise:
             for fd in fds:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        sizes = [os.fstat(fd).st_size for fd in fds]
         per_file = [[(i, pos) for pos in range(0, size, chunk)] for i, size in enumerate(sizes)]
         if interleave:
             jobs = [j for group in zip(*per_file) for j in group]
@@ -330,8 +334,12 @@ def cold_read(files: list[Path], threads: int, chunk: int, direct: bool, fadvise
             return os.preadv(fds[i], [memoryview(buf)[:n]], pos)
 
         start = time.perf_counter()
+        for t in ahead:
+            t.start()
         with ThreadPoolExecutor(threads) as pool:
             total = sum(pool.map(one, jobs))
+        for t in ahead:
+            t.join()
         return total / (time.perf_counter() - start) / 1e9
     finally:
         for fd in fds:
@@ -390,7 +398,8 @@ def d2h(threads: int, nbytes: int = 16 << 20, reps: int = 32) -> float:
     return threads * reps * nbytes / seconds / 1e9
 
 
-def warm_parts(files: list[Path], threads: int = 16, piece: int = 4 << 20) -> dict[str, object]:
+def warm_parts(files: list[Path], threads: int = 16, piece: int = 4 << 20,
+               modes: tuple[str, ...] = ("both", "reads", "copies") * 2, calls: bool = True) -> dict[str, object]:
     """The staged warm fill taken apart, lanes as the writer's (`threads` x 2 pinned `piece` buffers):
     page cache -> pinned reads alone, pinned -> device copies alone (same bytes, no reads), both
     (the writer's loop, bare: no plan, no Python per op), and what one driver call costs."""
@@ -431,9 +440,11 @@ def warm_parts(files: list[Path], threads: int = 16, piece: int = 4 << 20) -> di
         return total / (time.perf_counter() - t) / 1e9
 
     try:
-        for mode in ("both", "reads", "copies", "both", "reads", "copies"):
+        for mode in modes:
             out[f"{mode}_GBps"] = max(run(mode), float(out.get(f"{mode}_GBps", 0.0)))  # type: ignore[arg-type]
         lane = lanes[0]
+        if not calls:
+            return out
         calls = {"cuCtxSetCurrent": lambda: cu.cuCtxSetCurrent(ctx),
                  "cuEventSynchronize": lambda: cu.cuEventSynchronize(lane.events[0]),
                  "cuEventRecord": lambda: cu.cuEventRecord(lane.events[0], lane.stream),
@@ -451,6 +462,23 @@ def warm_parts(files: list[Path], threads: int = 16, piece: int = 4 << 20) -> di
         for fd in fds:
             os.close(fd)
         cuda.release_context(gpu)
+    return out
+
+
+def staging_sweep(files: list[Path], configs: list[tuple[int, int]], rounds: int = 3) -> list[dict[str, object]]:
+    """The bare staged loop (`warm_parts`' "both") per (threads, buffer bytes), `rounds` times in
+    rotation so that a noisy neighbour's moment hits every config alike: best and median GB/s."""
+    runs: dict[tuple[int, int], list[float]] = {c: [] for c in configs}
+    for _ in range(rounds):
+        for threads, piece in configs:
+            runs[(threads, piece)].append(float(warm_parts(files, threads, piece, modes=("both",),
+                                                           calls=False)["both_GBps"]))  # type: ignore[arg-type]
+    out = []
+    for (threads, piece), got in runs.items():
+        row = {"threads": threads, "piece_MiB": piece / (1 << 20), "best_GBps": max(got),
+               "median_GBps": sorted(got)[len(got) // 2], "all": got}
+        print(json.dumps(row), flush=True)
+        out.append(row)
     return out
 
 
@@ -513,7 +541,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", type=Path, default=Path("/tmp/wcd-bench-load"))
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--steps", default="fixed,hashes,d2h,verify,register,warm,cold,coldfill,mapped,parts")
+    ap.add_argument("--steps", default="fixed,hashes,d2h,verify,register,warm,cold,coldfill,mapped,parts,staging,coldahead")
     args = ap.parse_args()
     steps = set(args.steps.split(","))
     result: dict[str, object] = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count()}
@@ -529,7 +557,7 @@ def main() -> int:
         print(name, round(time.perf_counter() - t, 1), "s:", json.dumps(result[name])[:2000], flush=True)
 
     d = args.dir / "16gb-1000"
-    files = write_checkpoint(d, int(16e9), 1000, 4) if steps & {"register", "warm", "cold", "coldfill", "mapped", "parts"} else []
+    files = write_checkpoint(d, int(16e9), 1000, 4) if steps & {"register", "warm", "cold", "coldfill", "mapped", "parts", "staging", "coldahead"} else []
     step("fixed", fixed_costs)
     step("hashes", hashes, os.cpu_count() or 2)
     step("d2h", lambda: {n: d2h(n) for n in (1, 4, 16)})
@@ -538,6 +566,10 @@ def main() -> int:
         warm(files)
     step("register", lambda: host_register(files[0]))
     step("parts", warm_parts, files)
+    step("staging", staging_sweep, files, [(t, m << 20) for t in (8, 12, 16) for m in (1, 2, 4, 8)] + [(16, 3 << 19)])
+    step("coldahead", lambda: [
+        {"threads": 16, "chunk_MiB": 16, "fadvise": fa, "round": r, "GBps": cold_read(files[:2], 16, 16 << 20, False, fa, False)}
+        for r in range(2) for fa in (False, "willneed")])
     step("warm", warm_sweep, d, [(8, 4, 2), (16, 4, 2), (16, 8, 2), (16, 16, 2), (16, 4, 3), (12, 8, 2),
                                        (24, 4, 2), (16, 32, 2)])
     step("cold", lambda: [
