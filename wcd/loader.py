@@ -67,10 +67,11 @@ def default_workers() -> int:
 _RESIDENT = bytes(i & 1 for i in range(256))  # mincore: only the low bit of each byte is defined
 
 
-def cached_fraction(fd: int, windows: int = 256, window_pages: int = 16) -> float:
+def cached_fraction(fd: int, windows: int = 64, window_pages: int = 64) -> float:
     """About how much of the file `fd` is in the page cache now (0..1): mincore(2) over `windows`
     evenly spaced windows of a mapping that is never touched (so a file truncated meanwhile cannot
-    fault); a whole 4 GB file would be a million pages to look up. 1.0 when it cannot tell."""
+    fault); a whole 4 GB file would be a million pages to look up. 1.0 when it cannot tell.
+    The calls, not the pages, cost: 4 files took 5.6 ms as 256 x 16 pages, 2.6 ms as 64 x 64."""
     size = os.fstat(fd).st_size
     if size == 0:
         return 1.0
