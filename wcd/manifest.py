@@ -17,8 +17,8 @@ import sys
 from array import array
 from collections.abc import Iterable, Sequence
 from functools import cached_property, lru_cache
-from itertools import accumulate, compress, repeat
-from operator import add, and_, itemgetter, le, mul
+from itertools import accumulate, compress
+from operator import add, itemgetter, le, mul
 from typing import Any, NamedTuple
 
 from wcd.errors import BadRequest
@@ -333,11 +333,20 @@ class Manifest:
     def _laid_out(cls, names: tuple[str, ...], codes: bytes, shapes: tuple[tuple[int, ...], ...],
                   ids: array[int], sizes: list[int]) -> Manifest:
         # Each offset is aligned, so the next one is it plus the size rounded up (as `build` lays out).
-        ends = list(accumulate(map(and_, map(add, sizes, repeat(ALIGN - 1)), repeat(-ALIGN)), initial=0))
-        size = max(ends[-1], ALIGN)
+        # Sizes repeat (one per shape and dtype): each distinct one is rounded once, and tensors all
+        # of one rounded size (experts, a synthetic checkpoint) are laid out as one range.
+        strides = {n: (n + ALIGN - 1) & -ALIGN for n in dict.fromkeys(sizes)}
+        if len(strides) == 1:
+            (stride,) = strides.values()
+            end = stride * len(sizes)
+            offsets = array("Q", range(0, end, stride)) if stride else array("Q", [0]) * len(sizes)
+        else:
+            ends = list(accumulate(map(strides.__getitem__, sizes), initial=0))
+            end, offsets = ends[-1], array("Q", ends[:-1])
+        size = max(end, ALIGN)
         if size > MAX_DIM:
             raise BadRequest(f"the tensors need {size} bytes, more than an arena can hold")
-        return cls(names, codes, shapes, ids, array("Q", ends[:-1]), sizes, size)
+        return cls(names, codes, shapes, ids, offsets, sizes, size)
 
     @classmethod
     def _from_rows(cls, obj: dict[str, Any]) -> Manifest:

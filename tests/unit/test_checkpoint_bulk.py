@@ -12,6 +12,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,7 +27,13 @@ def reference_parse(file: Path) -> list[Row]:
     """The per-tensor parser (wcd before the columns), from the file's header on."""
     raw = file.read_bytes()
     n = int.from_bytes(raw[:8], "little")
-    doc, data_start, file_size = json.loads(raw[8 : 8 + n]), 8 + n, len(raw)
+    try:
+        doc = json.loads(raw[8 : 8 + n])
+    except (ValueError, RecursionError) as e:
+        raise LoadFailed(f"{file}: safetensors header is not valid JSON ({str(e)[:200]})") from None
+    if not isinstance(doc, dict):
+        raise LoadFailed(f"{file}: safetensors header is not a JSON object")
+    data_start, file_size = 8 + n, len(raw)
     rows = []
     for name, info in doc.items():
         if name == "__metadata__":
@@ -227,3 +234,58 @@ def test_layout_and_plan_match_the_per_tensor_ones(shards: list[tuple[dict[str, 
                 plan = as_pieces(ckpt.copy_plan(got[1], chunk, batch))
                 assert plan == reference_plan(rows, list(want[1].offsets), chunk, batch)
                 assert ckpt.nbytes == sum(t[4] - t[3] for shard in rows for t in shard)
+
+
+# Headers where pydantic_core's JSON parser and `json.loads` part ways (the parse tries the first
+# and falls back to the second): each must be read, or refused, exactly as `json.loads` reads it.
+_T = b'{"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}'
+JSON_EDGES = {
+    "lone surrogate escape": b'{"\\ud800": ' + _T + b"}",
+    "surrogate pair escape": b'{"\\ud83d\\ude00": ' + _T + b"}",
+    "surrogate as UTF-8 bytes": b'{"\xed\xa0\x80": ' + _T + b"}",
+    "invalid UTF-8": b'{"\xff": ' + _T + b"}",
+    "BOM": b"\xef\xbb\xbf{\"a\": " + _T + b"}",
+    "UTF-16": ('{"a": ' + _T.decode() + "}").encode("utf-16-le"),
+    "duplicate name, last wins": b'{"a": {"dtype": "F32", "shape": [9], "data_offsets": [0, 36]}, "a": ' + _T + b"}",
+    "duplicate key in an entry": b'{"a": {"dtype": "F32", "dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}',
+    "NaN offset": b'{"a": {"dtype": "U8", "shape": [1], "data_offsets": [NaN, 1]}}',
+    "Infinity dimension": b'{"a": {"dtype": "U8", "shape": [Infinity], "data_offsets": [0, 1]}}',
+    "30-digit offset": b'{"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, ' + b"9" * 30 + b"]}}",
+    "5000-digit offset": b'{"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, ' + b"9" * 5000 + b"]}}",
+    "-0": b'{"a": {"dtype": "U8", "shape": [1], "data_offsets": [-0, 1]}}',
+    "1e0": b'{"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1e0]}}',
+    "leading zero": b'{"a": {"dtype": "U8", "shape": [01], "data_offsets": [0, 1]}}',
+    "control character in a name": b'{"a\x01": ' + _T + b"}",
+    "escaped control character": b'{"a\\u0001": ' + _T + b"}",
+    "trailing data": b'{"a": ' + _T + b"} x",
+    "trailing NUL": b'{"a": ' + _T + b"}\x00",
+    "trailing comma": b'{"a": ' + _T + b",}",
+    "deep metadata": b'{"__metadata__": ' + b"[" * 100_000 + b"]" * 100_000 + b', "a": ' + _T + b"}",
+    "metadata not strings": b'{"__metadata__": {"x": [1, null, 2.5]}, "a": ' + _T + b"}",
+}
+
+
+@pytest.mark.parametrize("raw", JSON_EDGES.values(), ids=JSON_EDGES.keys())
+def test_json_edges_are_read_as_json_loads_reads_them(tmp_path: Path, raw: bytes) -> None:
+    file = tmp_path / "m.safetensors"
+    file.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\xab" * 40)
+    assert outcome(partial(parsed, file)) == outcome(partial(reference_parse, file))
+
+
+@settings(max_examples=500, deadline=None)
+@given(header=headers(), cuts=st.lists(st.tuples(st.integers(0, 1 << 16), st.integers(0, 3),
+                                                 st.sampled_from([b"", b"\\ud800", b"\xed\xa0\x80", b"\xff", b",",
+                                                                  b"}", b'"', b"NaN", b"-", b"0", b"\x00", b" "])),
+                                       max_size=3))
+def test_damaged_json_is_read_as_json_loads_reads_it(header: tuple[dict[str, Any], int],
+                                                     cuts: list[tuple[int, int, bytes]]) -> None:
+    """A header's bytes cut and spliced: whatever JSON comes of it, or none, `json.loads`'s reading."""
+    doc, data_len = header
+    raw = bytearray(json.dumps(doc).encode())
+    for at, width, insert in cuts:
+        at %= len(raw) + 1
+        raw[at : at + width] = insert
+    with tempfile.TemporaryDirectory() as tmp:
+        file = Path(tmp) / "m.safetensors"
+        file.write_bytes(struct.pack("<Q", len(raw)) + bytes(raw) + b"\xab" * data_len)
+        assert outcome(partial(parsed, file)) == outcome(partial(reference_parse, file))

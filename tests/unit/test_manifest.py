@@ -424,6 +424,19 @@ def test_layout_columns_lays_out_what_build_does() -> None:
     assert "tensors must be" in refused_columns(None)
 
 
+@pytest.mark.parametrize("rows", [
+    [],
+    [("a", "U8", (0,))],  # all of one size, and that size 0
+    [("a", "U8", (0,)), ("b", "BF16", (0, 4))],
+    [(f"e{i}", "BF16", (8, 8)) for i in range(5)],  # all of one size: laid out as one range
+    [("a", "BF16", (128,)), ("b", "U8", (256,)), ("c", "F32", (7,)), ("d", "U8", (0,)), ("e", "BF16", (128,))],
+])
+def test_columns_are_laid_out_as_build_lays_out_rows(rows: list[tuple[str, str, tuple[int, ...]]]) -> None:
+    built = Manifest.build(rows)
+    m = Manifest.from_columns(built.names, built.dtype_codes, built.shapes, built.shape_ids, built.sizes)
+    assert (m.offsets, m.size, m.tensors) == (built.offsets, built.size, built.tensors)
+
+
 def refused_columns(obj: Any) -> str:
     with pytest.raises(BadRequest) as info:
         Manifest.layout_columns(obj)
