@@ -13,6 +13,7 @@
 #   bash bench/device_run.sh diag         the warm fill and the op taken apart; 1.6 GB cold beside fastsafetensors
 #   bash bench/device_run.sh sweep        staging sizes (bare loop), cold reads with WILLNEED, the 1.6 GB cold op's parts
 #   bash bench/device_run.sh round4       GPU tests; 1.6 GB runs (1k and 100k tensors), five loaders, warm and cold
+#   bash bench/device_run.sh streams      cold reads as per-file sequential streams against 16 x 16 MiB
 #   bash bench/device_run.sh regress [GB]  warm loads of oldtree/ (an older revision) against this tree's
 # Logs and JSON land in $OUT (the device tool brings them back).
 set -u
@@ -124,6 +125,8 @@ write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-100000'), int(1.6e9), 100000, 4
       --out "$OUT/load-small.json" --daemon-log "$OUT/daemon-small.log" 2>&1 | tee "$OUT/load-small.log" \
       | grep -v '"wcd_verify"' | cut -c1-300 | tail -24
     grep -E "admitting|loaded" "$OUT"/daemon-small*.log | cut -c1-200 ;;
+  streams)  # cold reads as per-file sequential streams (fastsafetensors' pattern) against the loader's 16 x 16 MiB
+    timeout -s INT 240 python3 bench/probe_load.py --steps streams --out "$OUT/probe-streams.json" 2>&1 | tail -3 | cut -c1-900 ;;
   small)  # the 1.6 GB side-by-side load runs: 1,000 and 100,000 tensors, warm twice and cold
     timeout 500 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 \
       --ckpt 1.6:100000 --cold --reps 2 --loaders "$LOADERS" --out "$OUT/load-small.json" \

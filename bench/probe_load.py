@@ -346,6 +346,39 @@ def cold_read(files: list[Path], threads: int, chunk: int, direct: bool, fadvise
             os.close(fd)
 
 
+def cold_streams(files: list[Path], per_file: int, chunk: int, direct: bool) -> float:
+    """GB/s of reading `files` whole after dropping the page cache, as fastsafetensors' reader does:
+    `per_file` threads per file, each reading its contiguous slice of the file front to back."""
+    drop_caches()
+    flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
+    fds = [os.open(f, flags) for f in files]
+    try:
+        sizes = [os.fstat(fd).st_size for fd in fds]
+
+        def one(job: tuple[int, int, int]) -> int:
+            i, start, end = job
+            buf = mmap.mmap(-1, chunk)
+            done = 0
+            for pos in range(start, end, chunk):
+                n = min(chunk, end - pos)
+                if direct:
+                    n = -(-n // 4096) * 4096
+                done += os.preadv(fds[i], [memoryview(buf)[:n]], pos)
+            return done
+
+        jobs = []
+        for i, size in enumerate(sizes):
+            step = -(-size // per_file // chunk) * chunk
+            jobs += [(i, a, min(size, a + step)) for a in range(0, size, step)]
+        start = time.perf_counter()
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            total = sum(pool.map(one, jobs))
+        return total / (time.perf_counter() - start) / 1e9
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 def hashes(threads: int) -> dict[str, float]:
     """GB/s per thread and with `threads` threads for the digests verify could use, and memcmp."""
     block = os.urandom(1 << 20) * 64
@@ -541,7 +574,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", type=Path, default=Path("/tmp/wcd-bench-load"))
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--steps", default="fixed,hashes,d2h,verify,register,warm,cold,coldfill,mapped,parts,staging,coldahead")
+    ap.add_argument("--steps", default="fixed,hashes,d2h,verify,register,warm,cold,coldfill,mapped,parts,staging,coldahead,streams")
     args = ap.parse_args()
     steps = set(args.steps.split(","))
     result: dict[str, object] = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count()}
@@ -557,7 +590,7 @@ def main() -> int:
         print(name, round(time.perf_counter() - t, 1), "s:", json.dumps(result[name])[:2000], flush=True)
 
     d = args.dir / "16gb-1000"
-    files = write_checkpoint(d, int(16e9), 1000, 4) if steps & {"register", "warm", "cold", "coldfill", "mapped", "parts", "staging", "coldahead"} else []
+    files = write_checkpoint(d, int(16e9), 1000, 4) if steps & {"register", "warm", "cold", "coldfill", "mapped", "parts", "staging", "coldahead", "streams"} else []
     step("fixed", fixed_costs)
     step("hashes", hashes, os.cpu_count() or 2)
     step("d2h", lambda: {n: d2h(n) for n in (1, 4, 16)})
@@ -567,6 +600,11 @@ def main() -> int:
     step("register", lambda: host_register(files[0]))
     step("parts", warm_parts, files)
     step("staging", staging_sweep, files, [(t, m << 20) for t in (8, 12, 16) for m in (1, 2, 4, 8)] + [(16, 3 << 19)])
+    step("streams", lambda: [
+        {"per_file": k, "chunk_MiB": c >> 20, "direct": di, "files": len(files),
+         "GBps": cold_read(files, 16, c, False, False, False) if k == 0 else cold_streams(files, k, c, di)}
+        for k, c, di in [(1, 16 << 20, True), (0, 16 << 20, False), (1, 16 << 20, False), (2, 16 << 20, True),
+                         (4, 16 << 20, False), (1, 64 << 20, True)]])
     step("coldahead", lambda: [
         {"threads": 16, "chunk_MiB": 16, "fadvise": fa, "round": r, "GBps": cold_read(files[:2], 16, 16 << 20, False, fa, False)}
         for r in range(2) for fa in (False, "willneed")])
