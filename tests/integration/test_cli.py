@@ -102,6 +102,23 @@ def test_wcd_serve_missing_config(tmp_path):
     assert out.returncode == 2 and "file not found" in one_line_error(out, "wcd")
 
 
+def test_wcd_serve_serves_with_the_collector_on_and_start_up_frozen(tmp_path):
+    """Start-up runs with the cyclic GC paused; what it built is frozen before the daemon serves,
+    and the collector is on again by then. No pydantic plugins: the daemon runs none."""
+    cfg = tmp_path / "wcd.toml"
+    cfg.write_text(f'[daemon]\nsocket = "{tmp_path / "wcd.sock"}"\n')
+    code = f"""if True:
+        import gc, os, sys, wcd.server
+        wcd.server.run = lambda *args: print(gc.isenabled(), gc.get_freeze_count() > 0,
+                                             os.environ.get("PYDANTIC_DISABLE_PLUGINS")) or 0
+        from wcd.cli.wcd import main
+        sys.exit(main(["serve", "--config", {str(cfg)!r}]))
+    """
+    env = {k: v for k, v in os.environ.items() if k != "PYDANTIC_DISABLE_PLUGINS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True, env=env)
+    assert out.stdout.split() == ["True", "True", "__all__"]
+
+
 def test_wcd_demo_runs_and_proves_bit_identical():
     out = run("wcd", "demo", timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import struct
+import subprocess
+import sys
 from typing import Any
 
 import msgpack
@@ -495,3 +497,24 @@ def test_reserve_takes_rows_or_columns_exactly_one() -> None:
         parse_request(req("reserve", tensors=None)).listing()
     assert bad_request(req("reserve", tensors=None, columns={**columns, "dtypes": "x"})).startswith(
         "reserve: columns.dtypes: ")
+
+
+def test_request_schemas_are_built_at_their_first_request_not_at_start_up() -> None:
+    """`wcd serve` imports the protocol before READY; its schemas wait for their op's first request
+    (a fresh process: this session's other tests have built them). The first request of an op,
+    valid or not, is answered as ever: bad ones with their one line."""
+    code = """if True:
+        import sys, wcd.cli.wcd, wcd.config, wcd.server
+        from wcd import protocol
+        from wcd.errors import BadRequest
+        print(sorted(op for op, schema in protocol.SCHEMAS.items() if schema.__pydantic_complete__))
+        print(protocol.parse_request({"op": "ping", "id": 1}).id)
+        try:
+            protocol.parse_request({"op": "hello", "id": 2, "versions": []})
+        except BadRequest as e:
+            print(e.message)
+        print(sorted(op for op, schema in protocol.SCHEMAS.items() if schema.__pydantic_complete__))
+    """
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    assert out.splitlines() == ["[]", "1", "hello: versions: List should have at least 1 item after validation, not 0",
+                                "['hello', 'ping']"]
