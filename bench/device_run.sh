@@ -14,6 +14,7 @@
 #   bash bench/device_run.sh sweep        staging sizes (bare loop), cold reads with WILLNEED, the 1.6 GB cold op's parts
 #   bash bench/device_run.sh round4       GPU tests; 1.6 GB runs (1k and 100k tensors), five loaders, warm and cold
 #   bash bench/device_run.sh streams      cold reads as per-file sequential streams against 16 x 16 MiB
+#   bash bench/device_run.sh order        GPU tests; 1.6 GB cold, fastsafetensors and wcd in both orders
 #   bash bench/device_run.sh regress [GB]  warm loads of oldtree/ (an older revision) against this tree's
 # Logs and JSON land in $OUT (the device tool brings them back).
 set -u
@@ -127,6 +128,13 @@ write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-100000'), int(1.6e9), 100000, 4
     grep -E "admitting|loaded" "$OUT"/daemon-small*.log | cut -c1-200 ;;
   streams)  # cold reads as per-file sequential streams (fastsafetensors' pattern) against the loader's 16 x 16 MiB
     timeout -s INT 240 python3 bench/probe_load.py --steps streams --out "$OUT/probe-streams.json" 2>&1 | tail -3 | cut -c1-900 ;;
+  order)  # GPU tests; then 1.6 GB cold, fastsafetensors and wcd in both orders (does the order favour the second?)
+    timeout 100 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
+      | grep -E "FAILED|ERROR|passed|failed" | cut -c1-300
+    for o in fastsafetensors,wcd wcd,fastsafetensors; do
+      timeout -s INT 45 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --cold \
+        --reps 1 --loaders $o --out "$OUT/order-$o.json" 2>&1 | grep '"cold"' | grep -v direct_read | cut -c1-200
+    done ;;
   small)  # the 1.6 GB side-by-side load runs: 1,000 and 100,000 tensors, warm twice and cold
     timeout 500 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 \
       --ckpt 1.6:100000 --cold --reps 2 --loaders "$LOADERS" --out "$OUT/load-small.json" \
