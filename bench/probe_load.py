@@ -18,7 +18,6 @@ rests on numbers:
 from __future__ import annotations
 
 import argparse
-import ctypes
 import functools
 import hashlib
 import json
@@ -36,6 +35,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_load import drop_caches, warm, write_checkpoint  # noqa: E402
+from wcd.loader import _libc  # noqa: E402
 
 _FIXED = r"""
 import json, time
@@ -181,10 +181,7 @@ def host_register(file: Path) -> dict[str, object]:
 
     from wcd.arenas import cuda
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc = _libc()  # mmap and munmap declared, as the loader's page-cache probe uses them
     gpu = cuda.find_gpu("cuda:0")
     ctx = cuda.retain_context(gpu)
     cu.cuCtxSetCurrent(ctx)
@@ -224,10 +221,7 @@ def mapped_fill(files: list[Path], configs: list[tuple[int, int, bool]]) -> list
 
     from wcd.arenas import cuda
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc = _libc()  # mmap and munmap declared, as the loader's page-cache probe uses them
     gpu = cuda.find_gpu("cuda:0")
     ctx = cuda.retain_context(gpu)
     cu.cuCtxSetCurrent(ctx)
@@ -242,55 +236,50 @@ def mapped_fill(files: list[Path], configs: list[tuple[int, int, bool]]) -> list
     bases = [sum(sizes[:i]) for i in range(len(sizes))]
     out = []
     try:
-        for threads, piece, pipelined in configs:
-            jobs = [(i, pos, min(piece, size - pos)) for i, size in enumerate(sizes) for pos in range(0, size, piece)]
-            per = [jobs[k::threads] for k in range(threads)]
+        def run(mine: list[tuple[int, int, int]], pipelined: bool) -> tuple[float, float, str | None]:
+            """One thread's pieces: seconds in register and unregister calls, and the first error."""
+            cu.cuCtxSetCurrent(ctx)
+            stream = cu.cuStreamCreate(1)[1]
             spent = [0.0, 0.0]
-            lock = threading.Lock()
-            errors: list[str] = []
+            pending: list[tuple[int, Any]] = []
 
-            def run(mine: list[tuple[int, int, int]]) -> None:
-                cu.cuCtxSetCurrent(ctx)
-                stream = cu.cuStreamCreate(1)[1]
-                reg = unreg = 0.0
-                pending: list[tuple[int, Any]] = []
+            def finish(addr: int, event: Any) -> None:
+                cu.cuEventSynchronize(event)
+                cu.cuEventDestroy(event)
+                t = time.perf_counter()
+                cu.cuMemHostUnregister(addr)
+                spent[1] += time.perf_counter() - t
 
-                def finish(addr: int, event: Any) -> None:
-                    nonlocal unreg
-                    cu.cuEventSynchronize(event)
-                    cu.cuEventDestroy(event)
-                    t = time.perf_counter()
-                    cu.cuMemHostUnregister(addr)
-                    unreg += time.perf_counter() - t
-
+            try:
                 for i, pos, n in mine:
                     addr = maps[i] + pos
                     t = time.perf_counter()
                     e, = cu.cuMemHostRegister(addr, -(-n // 4096) * 4096, 0x08)
-                    reg += time.perf_counter() - t
+                    spent[0] += time.perf_counter() - t
                     if e != cu.CUresult.CUDA_SUCCESS:
-                        errors.append(str(e))
-                        return
+                        return spent[0], spent[1], str(e)
                     cu.cuMemcpyHtoDAsync(int(dst) + bases[i] + pos, addr, n, stream)
                     event = cu.cuEventCreate(2 | 1)[1]  # disable timing, blocking sync
                     cu.cuEventRecord(event, stream)
                     pending.append((addr, event))
                     while len(pending) > (1 if pipelined else 0):
                         finish(*pending.pop(0))
+                return spent[0], spent[1], None
+            finally:
                 while pending:
                     finish(*pending.pop(0))
                 cu.cuStreamDestroy(stream)
-                with lock:
-                    spent[0] += reg
-                    spent[1] += unreg
 
+        for threads, piece, pipelined in configs:
+            jobs = [(i, pos, min(piece, size - pos)) for i, size in enumerate(sizes) for pos in range(0, size, piece)]
             t = time.perf_counter()
             with ThreadPoolExecutor(threads) as pool:
-                list(pool.map(run, per))
+                got = list(pool.map(functools.partial(run, pipelined=pipelined),
+                                    [jobs[k::threads] for k in range(threads)]))
             seconds = time.perf_counter() - t
             row = {"threads": threads, "piece_MiB": piece >> 20, "pipelined": pipelined, "seconds": seconds,
-                   "GBps": total / seconds / 1e9, "register_s_sum": spent[0], "unregister_s_sum": spent[1],
-                   "errors": errors[:2]}
+                   "GBps": total / seconds / 1e9, "register_s_sum": sum(g[0] for g in got),
+                   "unregister_s_sum": sum(g[1] for g in got), "errors": [g[2] for g in got if g[2]][:2]}
             print(json.dumps(row), flush=True)
             out.append(row)
     finally:
@@ -570,11 +559,15 @@ def verify_read(gbytes: int = 16, tensors: int = 1000) -> list[dict[str, object]
     return out
 
 
+STEPS = ("fixed", "hashes", "d2h", "verify", "register", "warm", "cold", "coldfill", "mapped", "parts", "staging",
+         "coldahead", "streams")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", type=Path, default=Path("/tmp/wcd-bench-load"))
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--steps", default="fixed,hashes,d2h,verify,register,warm,cold,coldfill,mapped,parts,staging,coldahead,streams")
+    ap.add_argument("--steps", default=",".join(STEPS))
     args = ap.parse_args()
     steps = set(args.steps.split(","))
     result: dict[str, object] = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count()}
@@ -590,7 +583,7 @@ def main() -> int:
         print(name, round(time.perf_counter() - t, 1), "s:", json.dumps(result[name])[:2000], flush=True)
 
     d = args.dir / "16gb-1000"
-    files = write_checkpoint(d, int(16e9), 1000, 4) if steps & {"register", "warm", "cold", "coldfill", "mapped", "parts", "staging", "coldahead", "streams"} else []
+    files = write_checkpoint(d, int(16e9), 1000, 4) if steps - {"fixed", "hashes", "d2h", "verify"} else []
     step("fixed", fixed_costs)
     step("hashes", hashes, os.cpu_count() or 2)
     step("d2h", lambda: {n: d2h(n) for n in (1, 4, 16)})
@@ -606,7 +599,8 @@ def main() -> int:
         for k, c, di in [(1, 16 << 20, True), (0, 16 << 20, False), (1, 16 << 20, False), (2, 16 << 20, True),
                          (4, 16 << 20, False), (1, 64 << 20, True)]])
     step("coldahead", lambda: [
-        {"threads": 16, "chunk_MiB": 16, "fadvise": fa, "round": r, "GBps": cold_read(files[:2], 16, 16 << 20, False, fa, False)}
+        {"threads": 16, "chunk_MiB": 16, "fadvise": fa, "round": r,
+         "GBps": cold_read(files[:2], 16, 16 << 20, False, fa, False)}
         for r in range(2) for fa in (False, "willneed")])
     step("warm", warm_sweep, d, [(8, 4, 2), (16, 4, 2), (16, 8, 2), (16, 16, 2), (16, 4, 3), (12, 8, 2),
                                        (24, 4, 2), (16, 32, 2)])

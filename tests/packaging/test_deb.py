@@ -247,9 +247,12 @@ def test_unpacked_layout_runs_without_torch(unpacked: Path, tmp_path: Path) -> N
     (tmp_path / "wcd.toml").write_text(
         f'[daemon]\nsocket = "{sock}"\nbudget = {{ cpu = "64MiB" }}\n\n'
         f'[[models]]\nname = "tiny"\npath = "{tmp_path / "tiny.safetensors"}"\ndevice = "cpu"\n')
-    # -X importtime lists every module the daemon imports, on stderr.
+    # The launcher's own interpreter flags, and -X importtime, which lists every module the daemon
+    # imports, on stderr.
+    flags = wcd.read_text().splitlines()[0].split()[1:]
+    assert "-SsP" in flags  # no site: nothing of the system's dist-packages runs or is found
     with open(tmp_path / "daemon.log", "wb") as log:  # the child keeps its own copy of the fd
-        daemon = subprocess.Popen([SYSTEM_PYTHON, "-sP", "-X", "importtime", str(wcd), "serve", "--config",
+        daemon = subprocess.Popen([SYSTEM_PYTHON, *flags, "-X", "importtime", str(wcd), "serve", "--config",
                                    str(tmp_path / "wcd.toml")], env=env, stdout=subprocess.DEVNULL, stderr=log)
     try:
         deadline = time.monotonic() + 30
@@ -280,7 +283,7 @@ def test_unpacked_layout_runs_without_torch(unpacked: Path, tmp_path: Path) -> N
     assert "uvloop" in imported and "pydantic" in imported and "msgpack" in imported
     assert "torch" not in imported, "the daemon imported torch"
     for module in ("wcd", "uvloop", "pydantic", "msgpack"):
-        origin = run(SYSTEM_PYTHON, "-sP", "-c", f"import sys; sys.path.insert(0, {str(unpacked / 'usr/lib/wcd')!r}); "
+        origin = run(SYSTEM_PYTHON, *flags, "-c", f"import sys; sys.path.insert(0, {str(unpacked / 'usr/lib/wcd')!r}); "
                      f"import {module}; print({module}.__file__)", env=env).stdout.strip()
         assert origin.startswith(str(unpacked / "usr/lib/wcd")), (module, origin)
 
@@ -300,7 +303,7 @@ echo "run: $(stat -c '%U:%G %a' /run/wcd)"
 echo "conffiles: $(dpkg-query -W -f='${Conffiles}' wcd | awk 'NF {print $1}')"
 echo "pyc: $(ls /usr/lib/wcd/wcd/__pycache__/__init__.cpython-*.pyc /usr/lib/wcd/cuda/bindings/__pycache__/__init__.cpython-*.pyc | wc -l)"
 echo "enabled: $(find /etc/systemd/system -name 'wcd@*' | wc -l)"
-python3 -sP -c 'import sys; sys.path.insert(0, "/usr/lib/wcd"); import cuda.bindings.driver, wcd.arenas.cuda; print("cuda: ok")'
+python3 -SsP -c 'import sys; sys.path.insert(0, "/usr/lib/wcd"); import cuda.bindings.driver, wcd.arenas.cuda; print("cuda: ok")'
 dpkg --purge wcd-cuda wcd >/tmp/debs/purge.log 2>&1 || { cat /tmp/debs/purge.log; exit 1; }
 echo "purged: $(ls -A /usr/lib/wcd /etc/wcd /usr/bin/wcd /usr/bin/wcdctl 2>/dev/null | wc -l)"
 """  # noqa: E501 (shell, as run in the chroot)
