@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import pairwise, repeat
 from operator import itemgetter
 from typing import Protocol
 
@@ -165,9 +165,9 @@ def fill_arena(
     finally:
         writer.close()
     times.append(time.perf_counter())
+    writing, planning, copying, checking, closing = (b - a for a, b in pairwise(times))
     log.debug("filled from %s: writer %.3f s, hints and plan %.3f s, %d copies %.3f s, checks %.3f s, close %.3f s",
-              checkpoint.path, *(b - a for a, b in zip(times[:3], times[1:3])), len(ops),
-              *(b - a for a, b in zip(times[2:], times[3:])))
+              checkpoint.path, writing, planning, len(ops), copying, checking, closing)
 
 
 DIGEST_CHUNK = 16 << 20
