@@ -229,6 +229,9 @@ async def load(ctx: Context, conn: Connection, req: protocol.Load) -> None:
     conn.send(protocol.ok(req.id, entry=entry.describe()))
 
 
+MISMATCHES_LISTED = 50  # a verify reply names at most these; `mismatched_count` counts them all
+
+
 async def verify(ctx: Context, conn: Connection, req: protocol.Verify) -> None:
     entry = ctx.state.cache.find(ctx.residency.resolve(req.target()))
     limit = ctx.state.config.daemon.max_verifies_per_uid
@@ -244,7 +247,7 @@ async def verify(ctx: Context, conn: Connection, req: protocol.Verify) -> None:
             del ctx.verifying[conn.uid]
     conn.send(protocol.ok(req.id, entry=entry.name, match=not found.mismatched, against=found.against,
                           publisher_uid=entry.publisher, digest=found.digest, tensors=found.tensors,
-                          mismatched=found.mismatched[:50]))
+                          mismatched=found.mismatched[:MISMATCHES_LISTED], mismatched_count=len(found.mismatched)))
 
 
 def _reserved_manifest(tensors: list[tuple[str, str, list[int]]] | protocol.TensorColumns, version: int) -> Manifest:

@@ -384,7 +384,7 @@ def test_verify_detects_a_changed_checkpoint(make_daemon, checkpoint):
         changed["w.f32"] = changed["w.f32"] + 1
         save_file(changed, str(first))
         r = c.verify("m")
-        assert r["match"] is False and r["mismatched"] == ["w.f32"]
+        assert r["match"] is False and r["mismatched"] == ["w.f32"] and r["mismatched_count"] == 1
 
 
 def content_digest(tensors: dict[str, torch.Tensor]) -> str:

@@ -132,7 +132,10 @@ def _render(cmd: str, r: dict[str, Any]) -> str:
         if r["state"] == "evicted":
             return f"{r['entry']}: evicted"
         return f"{r['entry']}: {r['state']}; freed when its {r['leases']} lease(s) end"
-    verdict = "OK" if r["match"] else f"MISMATCH in {len(r['mismatched'])} tensor(s): {', '.join(r['mismatched'])}"
+    listed = r["mismatched"]
+    count = r.get("mismatched_count", len(listed))  # older daemons sent the names only (50 at most)
+    verdict = "OK" if r["match"] else f"MISMATCH in {count} tensor(s): {', '.join(listed)}" + \
+        (f" and {count - len(listed)} more" if count > len(listed) else "")
     return f"{r['entry']}: {verdict} ({r['tensors']} tensors against {r['against']}; digest {r['digest']})"
 
 
