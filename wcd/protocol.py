@@ -175,6 +175,11 @@ SCHEMAS: dict[str, type[_Req]] = {m.model_fields["op"].annotation.__args__[0]: m
 OPS: tuple[str, ...] = tuple(SCHEMAS)
 
 
+def unbuilt() -> list[type[_Req]]:
+    """The request schemas no request has built yet (the daemon builds them one by one after READY)."""
+    return [schema for schema in _REQUESTS if not schema.__pydantic_complete__]
+
+
 def parse_request(message: dict[str, Any]) -> Any:
     """Validate one decoded request against its op's schema. Raises `BadRequest` with a one-line reason."""
     op = message.get("op")

@@ -518,3 +518,30 @@ def test_request_schemas_are_built_at_their_first_request_not_at_start_up() -> N
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     assert out.splitlines() == ["[]", "1", "hello: versions: List should have at least 1 item after validation, not 0",
                                 "['hello', 'ping']"]
+
+
+def test_the_daemons_warm_up_builds_every_schema_one_per_loop_turn() -> None:
+    """After READY the server builds the schemas no request has built, one per turn of the loop
+    (a request waits behind one build at most); requests are answered the same after it."""
+    code = """if True:
+        import asyncio
+        from wcd import protocol
+        from wcd.server import Server
+        total = len(protocol.unbuilt())
+        turns = []
+
+        async def main():
+            async def count():
+                while protocol.unbuilt():
+                    turns.append(len(protocol.unbuilt()))
+                    await asyncio.sleep(0)
+            await asyncio.gather(Server._warm_schemas(), count())
+
+        asyncio.run(main())
+        print(total, len(protocol.unbuilt()), max(a - b for a, b in zip(turns, turns[1:] + [0])))
+        print(protocol.parse_request({"op": "ping", "id": 1}).id)
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    total, left, most_per_turn = map(int, out.stdout.split()[:3])
+    assert total == len(protocol.OPS) and left == 0 and most_per_turn == 1
+    assert out.stdout.split()[3] == "1"
