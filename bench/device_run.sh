@@ -16,6 +16,8 @@
 #   bash bench/device_run.sh streams      cold reads as per-file sequential streams against 16 x 16 MiB
 #   bash bench/device_run.sh order        GPU tests; 1.6 GB cold, fastsafetensors and wcd in both orders
 #   bash bench/device_run.sh regress [GB]  warm loads of oldtree/ (an older revision) against this tree's
+#   bash bench/device_run.sh round5   GPU tests; restart (oldtree/ and this tree, GPU and host, 16 + 64 GB kept);
+#                                     cold 1.6 GB in both orders; the header parse at 100k; a context's memory
 # Logs and JSON land in $OUT (the device tool brings them back).
 set -u
 cd "$(dirname "$0")/.."
@@ -126,6 +128,35 @@ write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-100000'), int(1.6e9), 100000, 4
       --out "$OUT/load-small.json" --daemon-log "$OUT/daemon-small.log" 2>&1 | tee "$OUT/load-small.log" \
       | grep -v '"wcd_verify"' | cut -c1-300 | tail -24
     grep -E "admitting|loaded" "$OUT"/daemon-small*.log | cut -c1-200 ;;
+  round5)  # GPU tests; restart old/new alternately (cuda:0 and cpu), then with 16 GB + 64 GB kept; cold in both orders
+    timeout 150 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
+      | grep -E "FAILED|ERROR|passed|failed" | cut -c1-300
+    python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from bench_load import write_checkpoint
+write_checkpoint(Path('/tmp/wcd-bench-load/0.1gb-200'), int(0.1e9), 200, 1)
+write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-1000'), int(1.6e9), 1000, 4)
+write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-100000'), int(1.6e9), 100000, 4)"
+    for round in 1 2 3; do for dev in cuda:0 cpu; do for t in old new; do
+      R=$PWD; [ $t = old ] && R=$PWD/oldtree
+      (cd "$R" && PYTHONPATH=/tmp/site:$R timeout 60 python3 bench/bench_restart.py --device $dev \
+        --ckpt /tmp/wcd-bench-load/0.1gb-200 --restarts 5 > "$OUT/restart-$t-$dev-$round.json" 2>"$OUT/restart-err.log")
+      echo "$t $dev $round $(python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print([round(x,3) for x in d['exec_to_ready_s']], d['daemon_says'][-1][:150])" "$OUT/restart-$t-$dev-$round.json" 2>&1)"
+    done; done; done | tee "$OUT/restart-ab.txt"
+    python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from bench_load import write_checkpoint
+write_checkpoint(Path('/tmp/wcd-bench-load/16gb-1000'), int(16e9), 1000, 4)"
+    timeout 150 python3 bench/bench_restart.py --device cuda:0 --ckpt /tmp/wcd-bench-load/16gb-1000 --reserve 64 \
+      --restarts 5 > "$OUT/restart-80gb.json" 2>>"$OUT/restart-err.log"; cut -c1-900 "$OUT/restart-80gb.json"
+    tail -5 "$OUT/restart-err.log"
+    for o in fastsafetensors,wcd wcd,fastsafetensors fastsafetensors,wcd wcd,fastsafetensors; do
+      timeout -s INT 60 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --cold \
+        --reps 1 --loaders $o --out "$OUT/order-$o.json" 2>&1 | grep '"cold"' | grep -v direct_read | cut -c1-200
+    done | tee "$OUT/order.txt"
+    timeout 120 python3 bench/bench_admit.py --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --ckpt 1.6:100000 --reps 5 \
+      2>&1 | tee "$OUT/admit.txt" | tail -3
+    python3 -c "import subprocess, time; from wcd.arenas import cudrv
+q = lambda: subprocess.run(['nvidia-smi', '--query-gpu=memory.used', '--format=csv,noheader,nounits', '-i', '0'], capture_output=True, text=True).stdout.strip()
+d = cudrv.driver(); g = d.gpus()[0]; before = q(); t = time.perf_counter(); d.retain_primary_context(g)
+print('primary context: retain', round((time.perf_counter() - t) * 1e3, 1), 'ms; GPU memory used (MiB) before', before, 'holding', q())" \
+      2>&1 | tee "$OUT/context.txt" ;;
   streams)  # cold reads as per-file sequential streams (fastsafetensors' pattern) against the loader's 16 x 16 MiB
     timeout -s INT 240 python3 bench/probe_load.py --steps streams --out "$OUT/probe-streams.json" 2>&1 | tail -3 | cut -c1-900 ;;
   order)  # GPU tests; then 1.6 GB cold, fastsafetensors and wcd in both orders (does the order favour the second?)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from wcd import parking, systemd
-from wcd.arenas import Arena, ArenaBackend, backend_for, is_gpu_device, loaded_backends
+from wcd.arenas import Arena, ArenaBackend, backend_for, device_memory, is_gpu_device, loaded_backends
 from wcd.cache import Entry, Lease, Origin, Retention
 from wcd.checkpoint import Checkpoint, open_files
 from wcd.config import Config, ModelConfig, format_size, parse_size
@@ -73,10 +73,9 @@ def device_budgets(config: Config) -> tuple[dict[str, int], dict[str, str]]:
     budgets: dict[str, int] = {}
     devices: dict[str, str] = {}
     for device, size in wanted.items():
-        backend = backend_for(device)
-        canonical = backend.canonical(device)
+        canonical, total = device_memory(device)
         devices[device] = canonical
-        budgets[canonical] = parse_size(size, backend.total_memory(canonical))
+        budgets[canonical] = parse_size(size, total)
     return budgets, devices
 
 
@@ -93,7 +92,8 @@ class Residency:
         self._committing: set[int] = set()  # fill leases whose commit is sealing
         self._checkpoints: dict[str, Checkpoint] = {}  # admitted, not yet filling
         self._parked: set[str] = set()  # entries whose fds sit in the fd store
-        self._unchecked: list[tuple[Entry, parking.ParkedEntry]] = []  # adopted, for start_checks
+        # Adopted before READY, with their arena fds: `start_checks` opens and checks them after.
+        self._unchecked: list[tuple[Entry, parking.ParkedEntry, int]] = []
         self._digest_pool = ThreadPoolExecutor(state.config.daemon.digest_workers, thread_name_prefix="wcd-digest")
         self._fill_pool = ThreadPoolExecutor(FILL_WORKERS, thread_name_prefix="wcd-fill")
 
@@ -422,11 +422,11 @@ class Residency:
     def adopt_parked(self, fds: list[tuple[int, str]]) -> None:
         """Re-adopt arenas systemd kept for us; drop (and unstore) anything unknown or corrupt.
 
-        Before READY only what takes microseconds per entry whatever its size: the record less its
-        manifest's layout, and the arena fd (host: its seals and size; CUDA: import, no context).
-        Each entry is then `loading`, charged to its budget under its name, so an engine that
-        connects at once waits for it and the configured model is not loaded again from disk;
-        `start_checks` starts the rest, once READY is out."""
+        Before READY only what takes microseconds per entry whatever its size and needs nothing
+        imported: the record less its manifest's layout. Each entry is then `loading`, without an
+        arena, charged to its budget under its name, so an engine that connects at once waits for it
+        and the configured model is not loaded again from disk; `start_checks` starts the rest
+        (opening the arena fd: a CUDA one needs cuda-bindings, an 18-25 ms import), once READY is out."""
         groups: dict[str, dict[str, int]] = {}
         for fd, name in fds:
             stem, dot, suffix = name.rpartition(".")
@@ -443,8 +443,8 @@ class Residency:
                 if arena_fd is None or record_fd is None:
                     raise BadRequest("its arena or record is missing")
                 rec = parking.parse_record(record_fd)
-                self._unchecked.append((self._adopt(rec, arena_fd), rec))
-                arena_fd = None  # the arena owns it now
+                self._unchecked.append((self._adopt(rec), rec, arena_fd))
+                arena_fd = None  # its check owns it now
             except (WcdError, OSError) as e:
                 log.warning("fd store: dropping %s: %s", stem, getattr(e, "message", e))
                 for suffix in (parking.ARENA_SUFFIX, parking.RECORD_SUFFIX):
@@ -454,23 +454,17 @@ class Residency:
                     if leftover is not None:
                         os.close(leftover)
 
-    def _adopt(self, rec: parking.ParkedEntry, arena_fd: int) -> Entry:
-        """Admit a parked entry (state `loading`) with its arena."""
+    def _adopt(self, rec: parking.ParkedEntry) -> Entry:
+        """Admit a parked entry (state `loading`, its arena opened by `_check_adopted`)."""
         device = rec.key.device
         if device not in self.cache.budgets:
             raise BadRequest(f"device {device} is no longer configured")
-        arena = self._backend(device).adopt(os.dup(arena_fd), device, rec.arena_size, rec.name)
-        try:
-            # An empty manifest stands in until `_check_adopted` validates the record's (status shows 0 tensors).
-            entry, victims = self.cache.admit(rec.name, rec.key, Manifest.build(()), arena.size, rec.retention,
-                                              rec.origin, rec.publisher if rec.origin == "publish" else os.getuid(),
-                                              adopted=True)
-        except BaseException:
-            arena.close()
-            raise
-        os.close(arena_fd)
+        # An empty manifest stands in until `_check_adopted` validates the record's (status shows 0 tensors).
+        entry, victims = self.cache.admit(rec.name, rec.key, Manifest.build(()), rec.arena_size, rec.retention,
+                                          rec.origin, rec.publisher if rec.origin == "publish" else os.getuid(),
+                                          adopted=True)
         self.reclaim(victims)
-        entry.arena, entry.notes = arena, [ADOPTING_NOTE]
+        entry.notes = [ADOPTING_NOTE]
         self._ready[entry.name] = asyncio.Event()
         self._parked.add(entry.name)  # systemd still holds the fds: never store them twice
         return entry
@@ -478,18 +472,29 @@ class Residency:
     def start_checks(self) -> None:
         """Start checking the entries `adopt_parked` admitted, in the background. Called after READY:
         started before, their worker threads' Python would compete with start-up's for the GIL."""
-        for entry, rec in self._unchecked:
-            self._spawn(self._check_adopted(entry, rec))
+        for entry, rec, fd in self._unchecked:
+            self._spawn(self._check_adopted(entry, rec, fd))
         self._unchecked = []
 
-    async def _check_adopted(self, entry: Entry, rec: parking.ParkedEntry) -> None:
-        """After READY: validate the manifest's layout, re-fingerprint the checkpoint (a changed
-        one is never served), and let the backend finish checking the arena; then the entry is
-        ready. All three grow with the entry (tensors, header bytes, a CUDA context) and the
-        fingerprint reads the checkpoint's filesystem, so none of them delays READY. A failure
-        drops the entry and its fds with one line; a configured model is then loaded from disk,
-        and acquires waiting for the entry wait for that load instead."""
+    async def _check_adopted(self, entry: Entry, rec: parking.ParkedEntry, fd: int) -> None:
+        """After READY: open the arena fd (host: its seals and size; CUDA: import, no context),
+        validate the manifest's layout, re-fingerprint the checkpoint (a changed one is never
+        served), and let the backend finish checking the arena; then the entry is ready. These
+        grow with the entry (tensors, header bytes, a CUDA context), need the backend's imports,
+        and the fingerprint reads the checkpoint's filesystem, so none of them delays READY. A
+        failure drops the entry and its fds with one line; a configured model is then loaded from
+        disk, and acquires waiting for the entry wait for that load instead."""
         try:
+            backend = self._backend(entry.device)
+            try:
+                arena = await asyncio.to_thread(backend.adopt, fd, entry.device, rec.arena_size, rec.name)
+            except BaseException:
+                os.close(fd)
+                raise
+            if self.cache.entries.get(entry.name) is not entry:  # dropped meanwhile (evicted)
+                _close_later(arena)
+                return
+            entry.arena = arena
             manifest = await asyncio.to_thread(rec.manifest)
             notes = await asyncio.to_thread(self._refingerprint, rec) if rec.origin != "publish" else []
             await self._using(None, entry.arena, lambda arena: arena.check_adopted())
@@ -545,6 +550,9 @@ class Residency:
         for entry in self.cache.entries.values():
             if entry.arena is not None:
                 entry.arena.close()  # deferred while a worker holds it; its next read stops it
+        for _, _, fd in self._unchecked:  # adopted, never checked (start-up failed before READY)
+            os.close(fd)
+        self._unchecked = []
         for pool in (self._digest_pool, self._fill_pool):
             pool.shutdown(wait=False, cancel_futures=True)
         for backend in loaded_backends():

@@ -126,3 +126,64 @@ def test_publish_module_from_gpu_rebinds_to_the_read_only_arena(make_daemon: Any
                 assert torch.equal(a, b)
         del view
         lease.release()
+
+
+# Loaded by the daemon under test (through PYTHONPATH): records at READY=1 whether cuda-bindings
+# has been imported, and whether the ctypes driver has been loaded.
+READY_PROBE_SITE = """
+import os, sys
+from wcd import server
+
+_notify = server.Server._notify
+
+def _probe(self, what, arg=None):
+    if what == "ready" and not os.path.exists(os.environ["WCD_TEST_PROBE"]):
+        from wcd.arenas import cudrv
+        with open(os.environ["WCD_TEST_PROBE"], "w") as f:
+            f.write(f"{'cuda.bindings' in sys.modules} {cudrv._driver is not None}")
+    return _notify(self, what, arg)
+
+server.Server._notify = _probe
+"""
+
+
+def test_a_gpu_entry_is_served_across_a_restart_and_ready_waits_for_no_cuda_bindings(
+        checkpoint: Any, tmp_path: Path) -> None:  # noqa: F811
+    """Restart through systemd's fd store (the test suite's stand-in): the CUDA entry is adopted,
+    not read again from disk; before READY the daemon loads the driver through ctypes only (the
+    budgets need `cuInit` and the GPU's memory), and imports cuda-bindings after it, to open the
+    arena fd; the engine then gets the same bytes."""
+    import os
+
+    from tests.integration.test_systemd_harness import FakeSystemd
+    from wcd.client import Client
+
+    path, _ = checkpoint
+    expected = expected_tensors(path)
+    cfg = tmp_path / "wcd.toml"
+    cfg.write_text(f'[daemon]\nsocket = "{tmp_path / "unused.sock"}"\n' + GPU_BUDGET + gpu_model(path))
+    site = tmp_path / "probe-site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(READY_PROBE_SITE)
+    probe = tmp_path / "probe"
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p),
+           "WCD_TEST_PROBE": str(probe)}
+    systemd = FakeSystemd(tmp_path)
+    try:
+        systemd.start(cfg)
+        with Client(systemd.sock_path) as c:
+            c.acquire("m").release()  # loaded from disk
+        assert systemd.stop() == 0 and systemd.store  # parked
+        systemd.start(cfg, env=env)
+        assert probe.read_text() == "False True"  # at READY: no cuda-bindings, the ctypes driver loaded
+        with Client(systemd.sock_path) as c, c.acquire("m") as lease:
+            assert lease.arena["kind"] == "cuda"
+            for name, t in expected.items():
+                got = lease.tensors[name]
+                assert got.is_cuda and same(got.cpu(), t), name
+            del got
+        log = systemd.log.read_text()
+        assert log.count("loading m:") == 1 and "adopted m from systemd's fd store" in log  # no disk read
+        assert systemd.stop() == 0
+    finally:
+        systemd.close()

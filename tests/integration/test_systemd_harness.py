@@ -50,7 +50,10 @@ class FakeSystemd:
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = root / "daemon.log"
 
-    def start(self, config: Path, watchdog_usec: int | None = None, env: dict[str, str] | None = None) -> None:
+    def start(self, config: Path, watchdog_usec: int | None = None, env: dict[str, str] | None = None,
+              python_flags: tuple[str, ...] = ()) -> None:
+        """Start the daemon as systemd would and return at READY=1. `python_flags`: the interpreter's
+        (the Debian launcher runs `python3 -SsP`)."""
         # After a restart systemd passes the socket's fds, then the fd store's.
         passed = [(self.listener.fileno(), self.socket_name)] + [(fd, n) for n, fds in self.store.items() for fd in fds]
         env = {**os.environ, **(env or {}), "LISTEN_FDS": str(len(passed)),
@@ -67,8 +70,8 @@ class FakeSystemd:
         with open(self.log, "ab") as log:
             # sh's $$ survives exec, so LISTEN_PID names the daemon itself, as systemd does.
             self.proc = subprocess.Popen(
-                ["sh", "-c", 'LISTEN_PID=$$ exec "$@"', "sh", sys.executable, "-m", "wcd", "serve", "--config",
-                 str(config), "--log-level", "debug"],
+                ["sh", "-c", 'LISTEN_PID=$$ exec "$@"', "sh", sys.executable, *python_flags, "-m", "wcd", "serve",
+                 "--config", str(config), "--log-level", "debug"],
                 env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=place_fds,
                 pass_fds=range(3, 3 + len(passed)), cwd=str(REPO))
         self.wait_for("READY", "1", after=len(self.messages))

@@ -14,7 +14,8 @@ from unittest import mock
 import pytest
 
 import wcd.arenas
-from wcd.arenas import backend_for, cuda_requirement, start_driver
+from wcd.arenas import backend_for, cuda_requirement, cudrv, device_memory, start_driver
+from wcd.arenas.cudrv import Gpu
 from wcd.errors import DeviceUnavailable
 
 
@@ -75,32 +76,74 @@ def _driver_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "wcd-cuinit"]
 
 
-@pytest.mark.parametrize("cu_init", [
-    mock.Mock(return_value=(0,)),
-    mock.Mock(side_effect=RuntimeError("Failed to dlopen libcuda.so.1")),  # reported later by backend_for
-])
-def test_start_driver_runs_cuinit_in_a_thread_only_for_a_gpu(monkeypatch: pytest.MonkeyPatch,
-                                                              cu_init: mock.Mock) -> None:
-    _fake_bindings(monkeypatch, cu_init)
+class _FakeDriver:
+    """Stands in for `wcd.arenas.cudrv.Driver` (ctypes, libcuda): one H200 at cuda:0."""
+
+    loads = 0
+
+    def __init__(self) -> None:
+        type(self).loads += 1
+
+    def gpus(self) -> tuple[Gpu, ...]:
+        return (Gpu(0, "GPU-00000000-1111-2222-3333-444444444444", "NVIDIA H200"),)
+
+    def total_memory(self, gpu: Gpu) -> int:
+        return 150_000_000_000
+
+
+class _NoDriver:
+    def __init__(self) -> None:
+        raise DeviceUnavailable("CUDA driver not available (libcuda.so.1: cannot open); install the NVIDIA driver")
+
+
+@pytest.fixture
+def driverless(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No process-wide driver loaded yet; `Driver` is set by each test."""
+    monkeypatch.setattr(cudrv, "_driver", None)
+
+
+@pytest.mark.usefixtures("driverless")
+def test_start_driver_loads_the_driver_in_a_thread_only_for_a_gpu_and_imports_no_cuda_bindings(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cudrv, "Driver", _FakeDriver)
+    monkeypatch.setattr(_FakeDriver, "loads", 0)
+    monkeypatch.delitem(sys.modules, "cuda.bindings", raising=False)
     start_driver(["cpu"])
-    assert not _driver_threads() and cu_init.call_count == 0  # a host-only daemon never touches CUDA
+    assert not _driver_threads() and _FakeDriver.loads == 0  # a host-only daemon never touches CUDA
     start_driver(["cpu", "cuda:1"])
     for t in _driver_threads():
         t.join(5)
-    assert cu_init.call_count == 1 and cu_init.call_args == mock.call(0)
+    assert _FakeDriver.loads == 1 and "cuda.bindings" not in sys.modules
+    monkeypatch.setattr(wcd.arenas, "_bindings_installed", lambda: True)
+    assert device_memory("cuda:0") == ("GPU-00000000-1111-2222-3333-444444444444", 150_000_000_000)
+    assert _FakeDriver.loads == 1 and "cuda.bindings" not in sys.modules  # found loaded; still not imported
 
 
-@pytest.mark.usefixtures("fresh")
-def test_start_driver_without_cuda_bindings_leaves_the_error_to_backend_for(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "cuda", None)
+@pytest.mark.usefixtures("driverless")
+def test_start_driver_without_a_driver_leaves_the_error_to_device_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cudrv, "Driver", _NoDriver)
+    monkeypatch.setattr(wcd.arenas, "_bindings_installed", lambda: True)
     uncaught: list[object] = []
     monkeypatch.setattr(threading, "excepthook", uncaught.append)
     start_driver(["GPU-1234"])
     for t in _driver_threads():
         t.join(5)
-    assert not _driver_threads() and uncaught == []  # the thread kept the ImportError to itself
-    with pytest.raises(DeviceUnavailable, match="needs cuda-bindings"):  # said once, by backend_for
-        backend_for("GPU-1234")
+    assert not _driver_threads() and uncaught == []  # the thread kept the error to itself
+    with pytest.raises(DeviceUnavailable, match="CUDA driver not available .* install the NVIDIA driver"):
+        device_memory("GPU-1234")
+
+
+@pytest.mark.usefixtures("fresh", "driverless")
+def test_device_memory_without_cuda_bindings_says_what_to_install_before_loading_the_driver(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "cuda", None)  # import cuda... -> ModuleNotFoundError
+    monkeypatch.setattr(cudrv, "Driver", _FakeDriver)
+    monkeypatch.setattr(_FakeDriver, "loads", 0)
+    with pytest.raises(DeviceUnavailable) as e:
+        device_memory("cuda:0")
+    assert "wcd-cuda package" in e.value.message and f"pip install '{cuda_requirement()}'" in e.value.message
+    assert _FakeDriver.loads == 0
+    assert device_memory("cpu")[0] == "cpu" and device_memory("cpu")[1] > 0  # host memory is unaffected
 
 
 def test_the_daemons_start_up_imports_no_prometheus_and_no_cuda_for_a_host_config() -> None:

@@ -8,6 +8,7 @@ available); `cuda:N` and GPU UUIDs are CUDA VMM allocations (`wcd.arenas.cuda`, 
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Iterable
 
@@ -15,8 +16,8 @@ from wcd import DISTRIBUTION
 from wcd.arenas.base import HOST_DEVICE, Arena, ArenaBackend, ArenaWriter, DeviceInfo
 from wcd.errors import BadRequest, DeviceUnavailable
 
-__all__ = ["Arena", "ArenaBackend", "ArenaWriter", "DeviceInfo", "backend_for", "is_gpu_device", "loaded_backends",
-           "start_driver"]
+__all__ = ["Arena", "ArenaBackend", "ArenaWriter", "DeviceInfo", "backend_for", "device_memory", "is_gpu_device",
+           "loaded_backends", "start_driver"]
 
 _backends: dict[str, ArenaBackend] = {}
 
@@ -40,10 +41,7 @@ def backend_for(device: str) -> ArenaBackend:
             except ModuleNotFoundError as e:
                 if (e.name or "").partition(".")[0] != "cuda":
                     raise
-                raise DeviceUnavailable(
-                    f"device {device!r} needs cuda-bindings, which is not installed: install the wcd-cuda "
-                    f"package, or wcd's cuda extra (pip install '{cuda_requirement()}') in its environment"
-                ) from None
+                raise DeviceUnavailable(_missing_bindings(device)) from None
             backend = CudaBackend()
         else:
             raise BadRequest(f"unknown device {device!r}: use \"cpu\", \"cuda:N\" or a GPU UUID (GPU-...)")
@@ -52,23 +50,57 @@ def backend_for(device: str) -> ArenaBackend:
 
 
 def start_driver(devices: Iterable[str]) -> None:
-    """If any of `devices` is a GPU, start loading the CUDA driver in a thread: importing
-    cuda-bindings and `cuInit` took ~0.12 s of the daemon's start-up on the H200 machine, and
-    `cuInit` runs without the GIL, so it overlaps the daemon's own imports; `backend_for` later
-    finds it done (a second `cuInit` returns at once). Errors are left for `backend_for` to report
-    in its own words."""
+    """If any of `devices` is a GPU, start loading the CUDA driver in a thread: `cuInit` took
+    0.1-0.24 s on the H200 machines and runs without the GIL, so it overlaps the daemon's own
+    imports; `device_memory` later finds it done. Through the ctypes binding (`wcd.arenas.cudrv`),
+    not cuda-bindings, whose import holds the GIL for 18-25 ms there and is not needed before
+    READY. Errors are left for `device_memory` to report in its own words."""
     if not any(is_gpu_device(d) for d in devices):
         return
 
     def init() -> None:
-        try:
-            from cuda.bindings import driver
+        from wcd.arenas import cudrv
 
-            driver.cuInit(0)
-        except Exception:  # noqa: BLE001, S110 - reported by backend_for, which tries again
+        try:
+            cudrv.driver()
+        except Exception:  # noqa: BLE001, S110 - reported by device_memory, which tries again
             pass
 
     threading.Thread(target=init, name="wcd-cuinit", daemon=True).start()
+
+
+def device_memory(device: str) -> tuple[str, int]:
+    """(canonical id, total memory) of a device: what start-up needs to set budgets, before READY.
+    For a GPU through the ctypes driver, after checking that cuda-bindings (which everything else
+    on a GPU needs) is installed, without importing it."""
+    if not is_gpu_device(device):
+        backend = backend_for(device)
+        canonical = backend.canonical(device)
+        return canonical, backend.total_memory(canonical)
+    from wcd.arenas import cudrv
+
+    if not _bindings_installed():
+        raise DeviceUnavailable(_missing_bindings(device))
+    drv = cudrv.driver()
+    gpu = cudrv.resolve_gpu(device, drv.gpus())
+    return gpu.uuid, drv.total_memory(gpu)
+
+
+def _bindings_installed() -> bool:
+    """Whether cuda-bindings can be imported, without importing it."""
+    if sys.modules.get("cuda.bindings") is not None:
+        return True
+    from importlib.util import find_spec
+
+    try:
+        return find_spec("cuda.bindings") is not None
+    except (ImportError, ValueError):  # no `cuda` package at all; one without a spec
+        return False
+
+
+def _missing_bindings(device: str) -> str:
+    return (f"device {device!r} needs cuda-bindings, which is not installed: install the wcd-cuda "
+            f"package, or wcd's cuda extra (pip install '{cuda_requirement()}') in its environment")
 
 
 def loaded_backends() -> list[ArenaBackend]:

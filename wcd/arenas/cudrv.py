@@ -3,8 +3,10 @@
 The client maps an arena on the engine's start-up clock, where importing cuda-bindings cost
 25-31 ms on the H200 (its enum and struct tables), more than the whole attach budget. Mapping
 needs sixteen driver functions; they are bound here, by hand, against `libcuda.so.1`, which the
-engine's torch has already loaded. The daemon keeps using cuda-bindings (`wcd.arenas.cuda`) for
-everything else. `Gpu` and `resolve_gpu` (UUIDs and "cuda:N" against the visible GPUs) are shared
+engine's torch has already loaded. The daemon's start-up uses the same binding for what it needs
+before READY (`cuInit`, the GPUs and their memory, `wcd.arenas.device_memory`), so that READY does
+not wait for cuda-bindings either; the daemon uses cuda-bindings (`wcd.arenas.cuda`) for everything
+else, after READY. `Gpu` and `resolve_gpu` (UUIDs and "cuda:N" against the visible GPUs) are shared
 by both. Nothing here loads the driver until a call needs it.
 """
 
@@ -70,6 +72,7 @@ class _AccessDesc(ctypes.Structure):
     _fields_ = [("location", _Location), ("flags", ctypes.c_int)]
 
 
+
 _u64, _size, _ptr, _int, _uint = ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint
 _P = ctypes.POINTER
 # name -> argument types. Versioned names (_v2) are what cuda.h's macros resolve to today.
@@ -79,6 +82,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "cuDeviceGet": [_P(_int), _int],
     "cuDeviceGetUuid_v2": [ctypes.c_char_p, _int],
     "cuDeviceGetName": [ctypes.c_char_p, _int, _int],
+    "cuDeviceTotalMem_v2": [_P(_size), _int],
     "cuDevicePrimaryCtxRetain": [_P(_ptr), _int],
     "cuDevicePrimaryCtxRelease_v2": [_int],
     "cuCtxPushCurrent_v2": [_ptr],
@@ -150,6 +154,12 @@ class Driver:
                 out.append(Gpu(i, format_uuid(uuid.raw), name.value.decode(errors="replace")))
             self._gpus = tuple(out)
         return self._gpus
+
+    def total_memory(self, gpu: Gpu) -> int:
+        """`cuDeviceTotalMem`: needs no context."""
+        total = _size()
+        self._call("cuDeviceTotalMem", "cuDeviceTotalMem", ctypes.byref(total), gpu.ordinal)
+        return int(total.value)
 
     def retain_primary_context(self, gpu: Gpu) -> int:
         ctx = _ptr()
