@@ -152,3 +152,42 @@ def test_the_daemons_start_up_imports_no_prometheus_and_no_cuda_for_a_host_confi
             "print(' '.join(m for m in sys.modules if m.split('.')[0] in ('prometheus_client', 'cuda', 'torch')))")
     loaded = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.split()
     assert loaded == []
+
+
+LOAD_WITH_A_TICKER = """
+import sys, threading, time
+from wcd.arenas.cudrv import load_library
+
+done, took = threading.Event(), []
+
+def load():
+    start = time.perf_counter()
+    load_library(sys.argv[1])
+    took.append(time.perf_counter() - start)
+    done.set()
+
+gaps, last = [], time.perf_counter()
+threading.Thread(target=load).start()
+while not done.is_set():
+    now = time.perf_counter()
+    gaps.append(now - last)
+    last = now
+print(took[0], max(gaps))
+"""
+
+
+def test_loading_a_library_in_a_thread_leaves_the_main_thread_running() -> None:
+    """The daemon loads libcuda from its start-up thread while the main thread imports; ctypes' own
+    dlopen would hold the GIL throughout. Timed here with the largest library at hand, torch's CPU
+    library (hundreds of MB), loaded in a fresh interpreter."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("torch")
+    assert spec is not None and spec.submodule_search_locations
+    lib = Path(next(iter(spec.submodule_search_locations))) / "lib" / "libtorch_cpu.so"
+    out = subprocess.run([sys.executable, "-c", LOAD_WITH_A_TICKER, str(lib)], check=True, capture_output=True,
+                         text=True).stdout.split()
+    took, longest_stall = float(out[0]), float(out[1])
+    assert took > 0.05, f"{lib} loaded in {took:.3f} s: too fast to tell"
+    assert longest_stall < took / 2, (took, longest_stall)

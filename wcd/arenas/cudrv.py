@@ -100,13 +100,25 @@ _SIGNATURES: dict[str, list[Any]] = {
 }
 
 
+def load_library(name: str) -> ctypes.CDLL:
+    """`ctypes.CDLL(name)`, but loaded first through libc's `dlopen` called as a foreign function,
+    which runs without the GIL: CDLL's own dlopen holds it, and loading libcuda (tens of MB to map
+    and relocate) from the daemon's start-up thread would stop its main thread for as long. Then
+    CDLL finds the library loaded. Where there is no `dlopen` to call, CDLL does it all."""
+    dlopen = getattr(ctypes.CDLL(None), "dlopen", None)
+    if dlopen is not None:
+        dlopen.restype, dlopen.argtypes = ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_int]
+        dlopen(os.fsencode(name), os.RTLD_NOW | os.RTLD_LOCAL)  # NULL on failure: CDLL says why
+    return ctypes.CDLL(name)
+
+
 class Driver:
     """`libcuda.so.1`, initialised; each method wraps one driver call and raises a one-line
     `WcdError` (OutOfMemory, BadRequest for a bad device, Internal otherwise) on failure."""
 
     def __init__(self, library: str = "libcuda.so.1") -> None:
         try:
-            lib = ctypes.CDLL(library)
+            lib = load_library(library)
         except OSError as e:
             raise DeviceUnavailable(f"CUDA driver not available ({e}); install the NVIDIA driver or use device "
                                     "\"cpu\"") from None
