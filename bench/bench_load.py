@@ -11,6 +11,7 @@ Per checkpoint (synthetic BF16, equal tensors, a few shards), one run, side by s
     package is missing is reported as such.
 Cold runs drop the page cache first (`sync; echo 3 > /proc/sys/vm/drop_caches`, root only).
 Works with host arenas (`--device cpu`, any Linux VM) and on a GPU (`--device cuda:0`).
+`BENCH_DAEMON_CONFIG="load_workers = 4"` adds lines (`;` between them) to the daemons' `[daemon]` table.
 
     python bench/bench_load.py --device cpu --ckpt 1.6:1000 --ckpt 1.6:100000 --out load.json
     python bench/bench_load.py --device cuda:0 --ckpt 16:1000 --ckpt 1.6:100000 --cold --out load.json
@@ -204,8 +205,9 @@ class Daemon:
         self.socket = root / "wcd.sock"
         config = root / "wcd.toml"
         budget = '"90%"' if device != "cpu" else '"80%"'
+        extra = os.environ.get("BENCH_DAEMON_CONFIG", "").replace(";", "\n")  # e.g. "load_workers = 4"
         config.write_text(f'[daemon]\nsocket = "{self.socket}"\nbudget = {{ "{device}" = {budget} }}\n'
-                          f'cold_reads = "{cold_reads}"\n')
+                          f'cold_reads = "{cold_reads}"\n{extra}\n')
         self.log = open(root / "daemon.log", "wb")
         self.proc = subprocess.Popen([sys.executable, "-m", "wcd", "serve", "--config", str(config),
                                       "--log-level", os.environ.get("BENCH_DAEMON_LOG_LEVEL", "info")],
