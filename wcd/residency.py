@@ -94,6 +94,7 @@ class Residency:
         self._checkpoints: dict[str, Checkpoint] = {}  # admitted, not yet filling
         self._parked: set[str] = set()  # entries whose fds sit in the fd store
         self._unchecked: list[tuple[Entry, parking.ParkedEntry]] = []  # adopted, for start_checks
+        self._superseded: set[str] = set()  # entries a reload evicted that had to finish first (`supersede`)
         self._digest_pool = ThreadPoolExecutor(state.config.daemon.digest_workers, thread_name_prefix="wcd-digest")
         self._fill_pool = ThreadPoolExecutor(FILL_WORKERS, thread_name_prefix="wcd-fill")
 
@@ -205,10 +206,17 @@ class Residency:
             await self._using(self._fill_pool, entry.arena, fill)
         except BaseException as e:
             ckpt.close()
-            self.reclaim(self.cache.load_failed(entry))
+            if not isinstance(e, Exception):  # cancelled (shutdown)
+                self.reclaim(self.cache.load_failed(entry))
+                raise
+            replaced = await self._drop_loading(entry)
             if isinstance(e, Cancelled):
+                if replaced:  # no failure: what the reload asked for
+                    log.info("loading %s stopped: a reload changed it; it loads again per the new config",
+                             entry.name)
+                    return entry
                 raise NotFound(f"loading {entry.name} was cancelled: the entry was evicted") from None
-            if isinstance(e, (WcdError, asyncio.CancelledError)):
+            if isinstance(e, WcdError):
                 raise
             raise LoadFailed(f"loading {entry.name} failed: {e}") from e
         ckpt.close()
@@ -216,7 +224,10 @@ class Residency:
         self._metrics.loaded(entry.device, manifest.nbytes, seconds)
         log.info("loaded %s in %.2f s (%.2f GB/s; allocating %.3f s, copying %.3f s)", entry.name, seconds,
                  manifest.nbytes / max(seconds, 1e-9) / 1e9, allocated - started, seconds - (allocated - started))
-        self.reclaim(self.cache.loaded(entry))
+        if entry.state == "evicting":  # evicted as its last copies ran
+            await self._drop_loading(entry)
+            return entry
+        self.cache.loaded(entry)
         self._set_ready(entry)
         return entry
 
@@ -367,6 +378,7 @@ class Residency:
     def reclaim(self, entries: Iterable[Entry]) -> None:
         """Entries the cache dropped: close their arenas (memory returns once clients unmap)."""
         for entry in entries:
+            self._superseded.discard(entry.name)
             if entry.name in self._parked:
                 self._parked.discard(entry.name)
                 for name in parking.fd_names(entry.key):
@@ -388,6 +400,19 @@ class Residency:
         dropped = self.cache.evict(entry)
         self.reclaim(dropped)
         return dropped
+
+    def supersede(self, entry: Entry) -> None:
+        """A reload removed or changed `entry`'s configured model: evict it, now or once its leases
+        end. One still loading (a fill, or the check of an entry re-adopted after a restart) keeps
+        its name until that ends, so nothing loads the model beside it; then the config of that
+        time has its model admitted as the entry goes (`_drop_loading`), with no other reload."""
+        if not self.evict(entry):
+            self._superseded.add(entry.name)
+
+    def cancel_loads(self) -> None:
+        """Shutdown: stop every load at its next chunk, and load nothing in place of what goes."""
+        self._superseded.clear()
+        self.cache.cancel_loads()
 
     async def expire_leases(self) -> None:
         """Forever: end leases that missed their heartbeats and reclaim what they held."""
@@ -496,29 +521,36 @@ class Residency:
         except Exception as e:  # noqa: BLE001 - whatever went wrong, the entry must not stay unchecked
             log.warning("fd store: dropping %s: %s", entry.name,
                         e.message if isinstance(e, WcdError) else f"{type(e).__name__}: {e}")
-            await self._replace_adopted(entry)
+            await self._drop_loading(entry, failed_check=True)
             return
         entry.manifest, entry.notes, entry.done_bytes = manifest, notes, manifest.nbytes
-        dropped = self.cache.loaded(entry)
-        if dropped:  # evicted while it was checked
-            self.reclaim(dropped)
+        if entry.state == "evicting":  # evicted while it was checked
+            await self._drop_loading(entry)
             return
+        self.cache.loaded(entry)
         if entry.origin == "publish":
             self._keep_digest(entry, "digest at re-adoption after a restart")
         self._set_ready(entry)
         log.info("adopted %s from systemd's fd store (%s on %s, no disk read)%s", entry.name,
                  format_size(entry.nbytes), entry.device, f"; {entry.notes[0]}" if entry.notes else "")
 
-    async def _replace_adopted(self, entry: Entry) -> None:
-        """Drop an adopted entry that failed its check. A configured model (not evicted meanwhile)
-        is loaded again from disk, admitted as the entry goes: acquires waiting for the entry
-        wake to find the new one (`wcd.ops.acquire`)."""
+    async def _drop_loading(self, entry: Entry, failed_check: bool = False) -> bool:
+        """Drop an entry whose load, or whose check after re-adoption, ended without making it
+        ready. Its configured model is loaded from disk per the config now in force, admitted as
+        the entry goes, so acquires waiting for the entry wake to find the new one
+        (`wcd.ops.acquire`): if a reload changed the model meanwhile (`supersede`), or if
+        `failed_check` (a re-adopted entry of a configured model, not evicted meanwhile).
+        Returns whether the model was loaded again."""
+        superseded = entry.name in self._superseded
+        self._superseded.discard(entry.name)
         model = next((m for m in self.state.config.models if m.name == entry.name), None)
         try:
-            if model is not None and entry.origin == "config" and entry.state != "evicting":
+            if model is not None and (superseded or (failed_check and entry.origin == "config"
+                                                     and entry.state != "evicting")):
                 await self.admit_configured(model, replacing=entry)
         finally:
             self.reclaim(self.cache.load_failed(entry))  # if it was not replaced
+        return self.cache.entries.get(entry.name) not in (None, entry)
 
     def _refingerprint(self, rec: parking.ParkedEntry) -> list[str]:
         """The notes of a checkpoint's parked entry; `BadRequest` if the checkpoint changed since it was
