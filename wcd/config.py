@@ -123,7 +123,8 @@ class DaemonConfig(BaseModel):
     budget: dict[str, Size] = {}
     load_workers: Annotated[int, Field(ge=1, le=256)] | None = None
     # Seconds a GPU's CUDA context and pinned staging stay after its last load, for the next one
-    # (0: released at once; inf: kept while the daemon runs, a context's memory on each GPU).
+    # (0: released at once; inf: kept while the daemon runs, a context's memory on each GPU). A GPU
+    # in exclusive-process compute mode keeps nothing after a load: engines could not create a context.
     staging_linger_s: Annotated[float, Field(ge=0)] = 30.0
     # How a GPU load reads files that are not in the page cache: "buffered" (through the page
     # cache, then dropped for files that were not in it at all: faster on the disks measured) or

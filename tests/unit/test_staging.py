@@ -39,7 +39,7 @@ def cuda_module(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 def cuda(cuda_module: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     """wcd.arenas.cuda with fake lanes and contexts."""
     module = cuda_module
-    state = types.SimpleNamespace(contexts=0, push_fails=False, lanes=[])
+    state = types.SimpleNamespace(contexts=0, push_fails=False, lanes=[], exclusive=False)
 
     class FakeLane:
         def __init__(self, nbytes: int, count: int) -> None:
@@ -65,7 +65,9 @@ def cuda(cuda_module: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
         yield
 
     state.Lane = module._Lane  # the real one, for tests that fake the driver under it
+    state.exclusive_process = module.exclusive_process  # the same
     monkeypatch.setattr(module, "_Lane", FakeLane)
+    monkeypatch.setattr(module, "exclusive_process", lambda gpu: state.exclusive)
     monkeypatch.setattr(module, "retain_context", retain)
     monkeypatch.setattr(module, "release_context", release)
     monkeypatch.setattr(module, "current", current)
@@ -156,6 +158,48 @@ def test_zero_releases_at_once_and_inf_or_huge_keep(cuda: Any, linger: float) ->
     assert s.held == (linger > 0) and s._timer is None
     s.release()
     assert cuda.state.contexts == 0
+
+
+def test_an_exclusive_process_gpu_keeps_nothing_after_a_load_and_says_so_once(
+        cuda: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """In EXCLUSIVE_PROCESS compute mode the context a load leaves would keep every engine from
+    creating one on that GPU: released as the load ends. A prepare's hold waits for its load, briefly."""
+    import logging
+
+    driver = cuda.cuda
+    modes = {0: driver.CUcomputemode.CU_COMPUTEMODE_EXCLUSIVE_PROCESS, 1: driver.CUcomputemode.CU_COMPUTEMODE_DEFAULT}
+    asked: list[tuple[Any, int]] = []
+
+    def get_attribute(attribute: Any, device: int) -> tuple[Any, Any]:
+        asked.append((attribute, device))
+        return cuda._SUCCESS, modes[device]
+
+    monkeypatch.setattr(driver, "cuDeviceGetAttribute", get_attribute, raising=False)
+    monkeypatch.setattr(cuda, "exclusive_process", cuda.state.exclusive_process)
+    monkeypatch.setattr(cuda, "EXCLUSIVE_PREPARED_S", 0.2)
+    caplog.set_level(logging.INFO, logger="wcd")
+    s = staging(cuda, 30)
+    s.prepare(2)  # the load it prepares for comes soon: kept for it, not for staging_linger_s
+    assert s.held and s._timer is not None and s._timer.interval == 0.2
+    s.open()
+    s.give([s.take(), s.take()])
+    s.close()
+    assert not s.held and cuda.state.contexts == 0 and all(lane.closed for lane in cuda.state.lanes)
+    assert asked == [(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_MODE, 0)]
+    s.open()  # a verify, an adoption check: the same
+    s.close()
+    assert not s.held
+    s.prepare(1)  # its admission failed: nothing takes it over
+    time.sleep(0.5)
+    assert not s.held and cuda.state.contexts == 0
+    other = cuda.Staging(cuda.Gpu(1, "GPU-y", "test"), 4 << 20, 2, 30)  # default mode: lingers
+    other.open()
+    other.close()
+    assert other.held and other._timer is not None and other._timer.interval == 30
+    other.release()
+    [line] = [r for r in caplog.records if "compute mode" in r.getMessage()]
+    assert line.levelno == logging.INFO
+    assert line.getMessage().startswith("test (cuda:0) GPU-x is in exclusive-process compute mode")
 
 
 class FakeMapping:
