@@ -15,9 +15,11 @@ waiter was cancelled is closed when the worker finishes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Coroutine, Iterable
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -46,6 +48,9 @@ Spawn = Callable[[Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]
 T = TypeVar("T")
 Digests = dict[str, str]
 ADOPTING_NOTE = "re-adopted from systemd's fd store: checking it before serving"
+# How long shutdown waits for the driver to let go of arenas and lingering GPU staging: a hung
+# driver must not hold it until systemd's stop timeout; what is left goes with the process.
+RELEASE_WAIT_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -571,19 +576,46 @@ class Residency:
 
     # -- shutdown ---------------------------------------------------------------------------
 
-    def close(self) -> int:
+    async def close(self) -> int:
         """Close our descriptors without evicting: parked arenas stay in systemd's fd store for
-        the next start; the others' memory returns once clients unmap. Returns how many stay parked."""
-        for entry in self.cache.entries.values():
-            if entry.arena is not None:
-                entry.arena.close()  # deferred while a worker holds it; its next read stops it
+        the next start; the others' memory returns once clients unmap. Returns how many stay parked.
+        The closes and the release of lingering GPU contexts and staging call the driver: they run
+        in a thread of their own, waited for at most RELEASE_WAIT_S, then one line says what is left."""
         for pool in (self._digest_pool, self._fill_pool):
             pool.shutdown(wait=False, cancel_futures=True)
-        for backend in loaded_backends():
+        arenas = [(e.name, e.arena) for e in self.cache.entries.values() if e.arena is not None]
+        backends = loaded_backends()
+        arenas_left, staging_left = len(arenas), [what for b in backends for what in b.lingering()]
+        loop, released = asyncio.get_running_loop(), asyncio.Event()
+
+        def release() -> None:
+            nonlocal arenas_left, staging_left
             try:
-                backend.release()  # lingering GPU contexts and staging; a fill still running keeps its own
-            except Exception as e:  # noqa: BLE001 - shutting down: say it and go on
-                log.warning("releasing load staging: %s", getattr(e, "message", e))
+                for name, arena in arenas:
+                    try:
+                        arena.close()  # deferred while a worker holds it; its next read stops it
+                    except Exception as e:  # noqa: BLE001 - shutting down: say it and go on
+                        log.warning("closing the arena of %s: %s", name, getattr(e, "message", e))
+                    arenas_left -= 1
+                for backend in backends:
+                    try:
+                        backend.release()  # lingering GPU contexts and staging; a fill still running keeps its own
+                    except Exception as e:  # noqa: BLE001 - shutting down: say it and go on
+                        log.warning("releasing load staging: %s", getattr(e, "message", e))
+                staging_left = []
+            finally:
+                with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+                    loop.call_soon_threadsafe(released.set)
+
+        # A daemon thread, not an executor's: the interpreter joins those at exit, hung or not.
+        threading.Thread(target=release, name="wcd-release", daemon=True).start()
+        try:
+            await asyncio.wait_for(released.wait(), RELEASE_WAIT_S)
+        except asyncio.TimeoutError:
+            n = arenas_left
+            what = ([f"{n} arena{'s' if n != 1 else ''}"] if n else []) + staging_left or ["the GPU load staging"]
+            log.warning("shutdown: the driver has not let go of %s after %g s (a hung GPU driver?); stopping "
+                        "without waiting: it goes when this process exits", " and ".join(what), RELEASE_WAIT_S)
         return sum(1 for name in self._parked if name in self.cache.entries)
 
 

@@ -137,7 +137,7 @@ class Server:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        kept = self.residency.close()
+        kept = await self.residency.close()
         log.info("stopped%s", f"; {kept} entries stay parked in systemd's fd store" if kept else "")
         self.notifier.close()
 

@@ -957,6 +957,11 @@ class CudaBackend(ArenaBackend):
             stagings = list(self._stagings.values())
         _cleanup(*(s.release for s in stagings))
 
+    def lingering(self) -> list[str]:
+        with self._lock:
+            stagings = list(self._stagings.values())
+        return [f"the CUDA context and load staging of {s.gpu.label}" for s in stagings if s.held]
+
     def canonical(self, device: str) -> str:
         return find_gpu(device).uuid
 
