@@ -128,7 +128,8 @@ class DaemonConfig(BaseModel):
     staging_linger_s: Annotated[float, Field(ge=0)] = 30.0
     # How a GPU load reads files that are not in the page cache: "buffered" (through the page
     # cache, then dropped for files that were not in it at all: faster on the disks measured) or
-    # "direct" (O_DIRECT into pinned buffers, nothing left in the cache; buffered where refused).
+    # "direct" (O_DIRECT into pinned buffers, nothing left in the cache; buffered where the file
+    # system refuses it, said once per file system).
     cold_reads: Literal["buffered", "direct"] = "buffered"
     # Entries hashed at once (verify, the digest after a commit), 1..64; others queue in their own
     # pool, never in front of short work (allocations, seals, manifests). Read at start-up.

@@ -326,6 +326,47 @@ def test_cold_reads_direct_by_config_go_through_an_o_direct_descriptor_closed_wi
     writer_parts.staging.release()
 
 
+def test_a_file_system_that_refuses_o_direct_is_read_buffered_and_said_once(
+        cuda: Any, writer_parts: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """One warning per file system (naming the first file, saying what to do), not per file or load."""
+    import errno
+    import logging
+    import os
+
+    real_open = os.open
+
+    def refusing_open(path: Any, flags: int, *args: Any) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    monkeypatch.setattr(cuda, "_BUFFERED_DEVICES", set())
+    caplog.set_level(logging.INFO, logger="wcd")
+    writer_parts.staging.direct_reads = True
+    first, second = _open_fds(tmp_path, 2)
+    other = real_open("/dev/null", os.O_RDONLY)  # another file system
+    if os.fstat(other).st_dev == os.fstat(first).st_dev:
+        pytest.skip(f"{tmp_path} is on /dev's file system")
+    for fds in ([first, second], [first, second, other]):  # two loads
+        w = cuda.CudaWriter(writer_parts.arena, writer_parts.staging)
+        for fd in fds:
+            w.hint(fd, 0.5)  # cold, but cached enough not to be dropped after
+            w.copy_from_file(fd, 0, 0, 4096)
+        w.close()
+    assert all(copy[0] != "direct" for copy in writer_parts.copies) and len(writer_parts.copies) == 5
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert lines == [
+        f'cold_reads = "direct": cannot open {tmp_path}/shard0 with O_DIRECT (Invalid argument): cold reads from '
+        'its file system are buffered instead; set cold_reads = "buffered" (the default) to silence this',
+        'cold_reads = "direct": cannot open /dev/null with O_DIRECT (Invalid argument): cold reads from '
+        'its file system are buffered instead; set cold_reads = "buffered" (the default) to silence this']
+    for fd in (first, second, other):
+        os.close(fd)
+    writer_parts.staging.release()
+
+
 def test_a_lane_whose_copies_failed_is_closed_and_the_load_fails(
         cuda: Any, writer_parts: Any, tmp_path: Any) -> None:
     import os

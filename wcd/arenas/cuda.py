@@ -385,16 +385,38 @@ def _pread_direct(fd: int, view: memoryview, offset: int, need: int) -> None:
 
 def open_direct(fd: int) -> int | None:
     """An O_DIRECT descriptor of the file open as `fd` (reopened through /proc/self/fd, which names
-    that open file, not a path anyone could swap), or None where the file system refuses O_DIRECT."""
+    that open file, not a path anyone could swap), or None where the file system refuses O_DIRECT
+    (one warning per file system: `_warn_buffered`)."""
     try:
         direct = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
-    except OSError:
+    except OSError as e:
+        _warn_buffered(fd, e)
         return None
     a, b = os.fstat(fd), os.fstat(direct)
     if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):  # cannot happen; never read another file
         os.close(direct)
         return None
     return direct
+
+
+_BUFFERED_DEVICES: set[int] = set()  # file systems (st_dev) whose O_DIRECT refusal was logged
+_BUFFERED_LOCK = threading.Lock()
+
+
+def _warn_buffered(fd: int, error: OSError) -> None:
+    """Say once per file system, not per file or load, that `cold_reads = "direct"` reads its files buffered."""
+    device = os.fstat(fd).st_dev
+    with _BUFFERED_LOCK:
+        if device in _BUFFERED_DEVICES:
+            return
+        _BUFFERED_DEVICES.add(device)
+    try:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        path = f"fd {fd}"
+    log.warning('cold_reads = "direct": cannot open %s with O_DIRECT (%s): cold reads from its file system are '
+                'buffered instead; set cold_reads = "buffered" (the default) to silence this',
+                path, error.strerror or error)
 
 
 class Staging:
