@@ -123,11 +123,13 @@ class DaemonConfig(BaseModel):
     budget: dict[str, Size] = {}
     load_workers: Annotated[int, Field(ge=1, le=256)] | None = None
     # Seconds a GPU's CUDA context and pinned staging stay after its last load, for the next one
-    # (0: released at once; inf: kept while the daemon runs, a context's memory on each GPU).
+    # (0: released at once; inf: kept while the daemon runs, a context's memory on each GPU). A GPU
+    # in exclusive-process compute mode keeps nothing after a load: engines could not create a context.
     staging_linger_s: Annotated[float, Field(ge=0)] = 30.0
     # How a GPU load reads files that are not in the page cache: "buffered" (through the page
     # cache, then dropped for files that were not in it at all: faster on the disks measured) or
-    # "direct" (O_DIRECT into pinned buffers, nothing left in the cache; buffered where refused).
+    # "direct" (O_DIRECT into pinned buffers, nothing left in the cache; buffered where the file
+    # system refuses it, said once per file system).
     cold_reads: Literal["buffered", "direct"] = "buffered"
     # Entries hashed at once (verify, the digest after a commit), 1..64; others queue in their own
     # pool, never in front of short work (allocations, seals, manifests). Read at start-up.

@@ -15,9 +15,11 @@ waiter was cancelled is closed when the worker finishes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Coroutine, Iterable
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -46,6 +48,9 @@ Spawn = Callable[[Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]
 T = TypeVar("T")
 Digests = dict[str, str]
 ADOPTING_NOTE = "re-adopted from systemd's fd store: checking it before serving"
+# How long shutdown waits for the driver to let go of arenas and lingering GPU staging: a hung
+# driver must not hold it until systemd's stop timeout; what is left goes with the process.
+RELEASE_WAIT_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +99,7 @@ class Residency:
         self._parked: set[str] = set()  # entries whose fds sit in the fd store
         # Adopted before READY, with their arena fds: `start_checks` opens and checks them after.
         self._unchecked: list[tuple[Entry, parking.ParkedEntry, int]] = []
+        self._superseded: set[str] = set()  # entries a reload evicted that had to finish first (`supersede`)
         self._digest_pool = ThreadPoolExecutor(state.config.daemon.digest_workers, thread_name_prefix="wcd-digest")
         self._fill_pool = ThreadPoolExecutor(FILL_WORKERS, thread_name_prefix="wcd-fill")
 
@@ -205,10 +211,17 @@ class Residency:
             await self._using(self._fill_pool, entry.arena, fill)
         except BaseException as e:
             ckpt.close()
-            self.reclaim(self.cache.load_failed(entry))
+            if not isinstance(e, Exception):  # cancelled (shutdown)
+                self.reclaim(self.cache.load_failed(entry))
+                raise
+            replaced = await self._drop_loading(entry)
             if isinstance(e, Cancelled):
+                if replaced:  # no failure: what the reload asked for
+                    log.info("loading %s stopped: a reload changed it; it loads again per the new config",
+                             entry.name)
+                    return entry
                 raise NotFound(f"loading {entry.name} was cancelled: the entry was evicted") from None
-            if isinstance(e, (WcdError, asyncio.CancelledError)):
+            if isinstance(e, WcdError):
                 raise
             raise LoadFailed(f"loading {entry.name} failed: {e}") from e
         ckpt.close()
@@ -216,7 +229,10 @@ class Residency:
         self._metrics.loaded(entry.device, manifest.nbytes, seconds)
         log.info("loaded %s in %.2f s (%.2f GB/s; allocating %.3f s, copying %.3f s)", entry.name, seconds,
                  manifest.nbytes / max(seconds, 1e-9) / 1e9, allocated - started, seconds - (allocated - started))
-        self.reclaim(self.cache.loaded(entry))
+        if entry.state == "evicting":  # evicted as its last copies ran
+            await self._drop_loading(entry)
+            return entry
+        self.cache.loaded(entry)
         self._set_ready(entry)
         return entry
 
@@ -367,6 +383,7 @@ class Residency:
     def reclaim(self, entries: Iterable[Entry]) -> None:
         """Entries the cache dropped: close their arenas (memory returns once clients unmap)."""
         for entry in entries:
+            self._superseded.discard(entry.name)
             if entry.name in self._parked:
                 self._parked.discard(entry.name)
                 for name in parking.fd_names(entry.key):
@@ -388,6 +405,19 @@ class Residency:
         dropped = self.cache.evict(entry)
         self.reclaim(dropped)
         return dropped
+
+    def supersede(self, entry: Entry) -> None:
+        """A reload removed or changed `entry`'s configured model: evict it, now or once its leases
+        end. One still loading (a fill, or the check of an entry re-adopted after a restart) keeps
+        its name until that ends, so nothing loads the model beside it; then the config of that
+        time has its model admitted as the entry goes (`_drop_loading`), with no other reload."""
+        if not self.evict(entry):
+            self._superseded.add(entry.name)
+
+    def cancel_loads(self) -> None:
+        """Shutdown: stop every load at its next chunk, and load nothing in place of what goes."""
+        self._superseded.clear()
+        self.cache.cancel_loads()
 
     async def expire_leases(self) -> None:
         """Forever: end leases that missed their heartbeats and reclaim what they held."""
@@ -501,29 +531,36 @@ class Residency:
         except Exception as e:  # noqa: BLE001 - whatever went wrong, the entry must not stay unchecked
             log.warning("fd store: dropping %s: %s", entry.name,
                         e.message if isinstance(e, WcdError) else f"{type(e).__name__}: {e}")
-            await self._replace_adopted(entry)
+            await self._drop_loading(entry, failed_check=True)
             return
         entry.manifest, entry.notes, entry.done_bytes = manifest, notes, manifest.nbytes
-        dropped = self.cache.loaded(entry)
-        if dropped:  # evicted while it was checked
-            self.reclaim(dropped)
+        if entry.state == "evicting":  # evicted while it was checked
+            await self._drop_loading(entry)
             return
+        self.cache.loaded(entry)
         if entry.origin == "publish":
             self._keep_digest(entry, "digest at re-adoption after a restart")
         self._set_ready(entry)
         log.info("adopted %s from systemd's fd store (%s on %s, no disk read)%s", entry.name,
                  format_size(entry.nbytes), entry.device, f"; {entry.notes[0]}" if entry.notes else "")
 
-    async def _replace_adopted(self, entry: Entry) -> None:
-        """Drop an adopted entry that failed its check. A configured model (not evicted meanwhile)
-        is loaded again from disk, admitted as the entry goes: acquires waiting for the entry
-        wake to find the new one (`wcd.ops.acquire`)."""
+    async def _drop_loading(self, entry: Entry, failed_check: bool = False) -> bool:
+        """Drop an entry whose load, or whose check after re-adoption, ended without making it
+        ready. Its configured model is loaded from disk per the config now in force, admitted as
+        the entry goes, so acquires waiting for the entry wake to find the new one
+        (`wcd.ops.acquire`): if a reload changed the model meanwhile (`supersede`), or if
+        `failed_check` (a re-adopted entry of a configured model, not evicted meanwhile).
+        Returns whether the model was loaded again."""
+        superseded = entry.name in self._superseded
+        self._superseded.discard(entry.name)
         model = next((m for m in self.state.config.models if m.name == entry.name), None)
         try:
-            if model is not None and entry.origin == "config" and entry.state != "evicting":
+            if model is not None and (superseded or (failed_check and entry.origin == "config"
+                                                     and entry.state != "evicting")):
                 await self.admit_configured(model, replacing=entry)
         finally:
             self.reclaim(self.cache.load_failed(entry))  # if it was not replaced
+        return self.cache.entries.get(entry.name) not in (None, entry)
 
     def _refingerprint(self, rec: parking.ParkedEntry) -> list[str]:
         """The notes of a checkpoint's parked entry; `BadRequest` if the checkpoint changed since it was
@@ -544,22 +581,49 @@ class Residency:
 
     # -- shutdown ---------------------------------------------------------------------------
 
-    def close(self) -> int:
+    async def close(self) -> int:
         """Close our descriptors without evicting: parked arenas stay in systemd's fd store for
-        the next start; the others' memory returns once clients unmap. Returns how many stay parked."""
-        for entry in self.cache.entries.values():
-            if entry.arena is not None:
-                entry.arena.close()  # deferred while a worker holds it; its next read stops it
+        the next start; the others' memory returns once clients unmap. Returns how many stay parked.
+        The closes and the release of lingering GPU contexts and staging call the driver: they run
+        in a thread of their own, waited for at most RELEASE_WAIT_S, then one line says what is left."""
         for _, _, fd in self._unchecked:  # adopted, never checked (start-up failed before READY)
             os.close(fd)
         self._unchecked = []
         for pool in (self._digest_pool, self._fill_pool):
             pool.shutdown(wait=False, cancel_futures=True)
-        for backend in loaded_backends():
+        arenas = [(e.name, e.arena) for e in self.cache.entries.values() if e.arena is not None]
+        backends = loaded_backends()
+        arenas_left, staging_left = len(arenas), [what for b in backends for what in b.lingering()]
+        loop, released = asyncio.get_running_loop(), asyncio.Event()
+
+        def release() -> None:
+            nonlocal arenas_left, staging_left
             try:
-                backend.release()  # lingering GPU contexts and staging; a fill still running keeps its own
-            except Exception as e:  # noqa: BLE001 - shutting down: say it and go on
-                log.warning("releasing load staging: %s", getattr(e, "message", e))
+                for name, arena in arenas:
+                    try:
+                        arena.close()  # deferred while a worker holds it; its next read stops it
+                    except Exception as e:  # noqa: BLE001 - shutting down: say it and go on
+                        log.warning("closing the arena of %s: %s", name, getattr(e, "message", e))
+                    arenas_left -= 1
+                for backend in backends:
+                    try:
+                        backend.release()  # lingering GPU contexts and staging; a fill still running keeps its own
+                    except Exception as e:  # noqa: BLE001 - shutting down: say it and go on
+                        log.warning("releasing load staging: %s", getattr(e, "message", e))
+                staging_left = []
+            finally:
+                with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+                    loop.call_soon_threadsafe(released.set)
+
+        # A daemon thread, not an executor's: the interpreter joins those at exit, hung or not.
+        threading.Thread(target=release, name="wcd-release", daemon=True).start()
+        try:
+            await asyncio.wait_for(released.wait(), RELEASE_WAIT_S)
+        except asyncio.TimeoutError:
+            n = arenas_left
+            what = ([f"{n} arena{'s' if n != 1 else ''}"] if n else []) + staging_left or ["the GPU load staging"]
+            log.warning("shutdown: the driver has not let go of %s after %g s (a hung GPU driver?); stopping "
+                        "without waiting: it goes when this process exits", " and ".join(what), RELEASE_WAIT_S)
         return sum(1 for name in self._parked if name in self.cache.entries)
 
 

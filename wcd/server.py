@@ -132,17 +132,18 @@ class Server:
                     self._bound_path.unlink(missing_ok=True)
         for conn in list(self.state.connections):
             conn.close()
-        self.state.cache.cancel_loads()
+        self.residency.cancel_loads()
         tasks = [t for t in self._tasks if not t.done()]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        kept = self.residency.close()
+        kept = await self.residency.close()
         log.info("stopped%s", f"; {kept} entries stay parked in systemd's fd store" if kept else "")
         self.notifier.close()
 
     async def reload(self) -> None:
-        """SIGHUP: re-read the config; load new models, evict removed or changed ones once unleased."""
+        """SIGHUP: re-read the config; load new models, evict removed or changed ones once unleased.
+        A changed one still loading or being checked is replaced when that ends (`Residency.supersede`)."""
         self._notify("reloading", "reloading configuration")
         cache, current = self.state.cache, self.state.config
         try:
@@ -164,8 +165,9 @@ class Server:
         fresh = {m.name: m for m in new.models}
         for name, model in old.items():
             if fresh.get(name) != model and name in cache.entries:
-                log.info("reload: %s was removed or changed; evicting it once its leases end", name)
-                self.residency.evict(cache.entries[name])
+                log.info("reload: %s was removed or changed; evicting it once its leases end, or its load "
+                         "or check ends", name)
+                self.residency.supersede(cache.entries[name])
         if new.daemon.socket != current.daemon.socket and self.listen_fd is None:
             log.warning("reload: a new socket path takes effect on restart")
         new.daemon.socket = current.daemon.socket

@@ -140,12 +140,28 @@ parking.ParkedEntry.manifest = _gated
 """
 
 
-def gated_checks(root: Path) -> tuple[dict[str, str], Path]:
-    """(env for `FakeSystemd.start`, gate file): the daemon's checks of re-adopted entries wait
-    until the gate file exists."""
+# The same for every fill of an arena from a checkpoint (`Residency._fill`'s loader call).
+GATE_FILLS_SITE = """
+import os, time
+from wcd import loader
+
+_fill_arena = loader.fill_arena
+
+def _gated(*args, **kwargs):
+    while not os.path.exists(os.environ["WCD_TEST_GATE"]):
+        time.sleep(0.01)
+    return _fill_arena(*args, **kwargs)
+
+loader.fill_arena = _gated
+"""
+
+
+def gated_checks(root: Path, site_text: str = GATE_SITE) -> tuple[dict[str, str], Path]:
+    """(env for `FakeSystemd.start`, gate file): the daemon's checks of re-adopted entries (or
+    with GATE_FILLS_SITE, its fills) wait until the gate file exists."""
     site = root / "gate-site"
     site.mkdir(exist_ok=True)
-    (site / "sitecustomize.py").write_text(GATE_SITE)
+    (site / "sitecustomize.py").write_text(site_text)
     return {"PYTHONPATH": str(site), "WCD_TEST_GATE": str(root / "gate")}, root / "gate"
 
 
@@ -494,4 +510,94 @@ def test_a_published_entry_that_fails_the_check_is_not_served(fake_systemd, tmp_
     assert f"fd store: dropping {name}: tensor 'w'" in fake_systemd.log.read_text()
     fake_systemd.pump()
     assert fake_systemd.store == {}
+    assert fake_systemd.stop() == 0
+
+
+def _sighup_and_wait(harness: FakeSystemd) -> None:
+    at = len(harness.messages)
+    harness.proc.send_signal(signal.SIGHUP)
+    harness.wait_for("READY", "1", after=harness.wait_for("RELOADING", "1", after=at))
+
+
+def _this_run(harness: FakeSystemd, since: int) -> str:
+    return harness.log.read_text()[since:]
+
+
+def test_a_model_changed_by_sighup_while_its_readopted_entry_is_checked_loads_once_the_check_ends(
+        fake_systemd, tmp_path):
+    """The reload cannot drop the kept entry while its check runs: the entry goes when the check
+    ends, and the model is loaded then per the new config, once, with no second SIGHUP; a client
+    already waiting for the entry gets the new model's values, and the fd store ends up holding it."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    write_model(a, seed=1)
+    new = write_model(b, seed=2)
+    cfg = config(tmp_path, {"m": a})
+    park(fake_systemd, cfg)
+    parked = set(fake_systemd.store)
+    env, gate = gated_checks(tmp_path)
+    since = len(fake_systemd.log.read_text())
+    fake_systemd.start(cfg, env=env)
+
+    def acquire() -> bool:
+        with Client(fake_systemd.sock_path) as c, c.acquire("m") as lease:
+            return same(lease.tensors["w"], new["w"]) and same(lease.tensors["b"], new["b"])
+
+    waiter, out = in_thread(acquire)
+    waiter.join(0.5)
+    assert waiter.is_alive(), out
+    config(tmp_path, {"m": b})
+    at = len(fake_systemd.messages)
+    _sighup_and_wait(fake_systemd)
+    with Client(fake_systemd.sock_path) as c:
+        [entry] = c.list()
+        assert entry["state"] == "evicting" and entry["key"]["path"] == str(a)  # still being checked
+    gate.touch()
+    waiter.join(30)
+    assert out == {"result": True}
+    with Client(fake_systemd.sock_path) as c:
+        [entry] = c.list()
+        assert entry["state"] == "ready" and entry["key"]["path"] == str(b)
+    fake_systemd.wait_for("FDSTORE", "1", after=at)  # the new entry, parked under its own key
+    removed = {m["FDNAME"] for m in fake_systemd.messages[at:] if m.get("FDSTOREREMOVE") == "1"}
+    assert removed == parked and len(fake_systemd.store) == 2 and not parked & set(fake_systemd.store)
+    log = _this_run(fake_systemd, since)
+    assert log.count("admitting m:") == 1 and log.count("loading m:") == 1 and "adopted m" not in log
+    assert "ERROR" not in log and sum("RELOADING" in m for m in fake_systemd.messages) == 1
+    assert fake_systemd.stop() == 0
+
+
+def test_a_model_changed_by_sighup_while_it_loads_is_loaded_per_the_new_config_once_that_load_ends(
+        fake_systemd, tmp_path):
+    """The same for a load in progress: the reload stops it, and the model is loaded per the new
+    config as it ends, once; a client waiting for the first load gets the new model's values."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    write_model(a, seed=1)
+    new = write_model(b, seed=2)
+    cfg = config(tmp_path, {"m": a})
+    env, gate = gated_checks(tmp_path, GATE_FILLS_SITE)
+    fake_systemd.start(cfg, env=env)
+    with Client(fake_systemd.sock_path) as c:
+        assert c.list()[0]["state"] == "loading"
+
+        def acquire() -> bool:
+            with Client(fake_systemd.sock_path) as c2, c2.acquire("m") as lease:
+                return same(lease.tensors["w"], new["w"]) and same(lease.tensors["b"], new["b"])
+
+        waiter, out = in_thread(acquire)
+        waiter.join(0.5)
+        assert waiter.is_alive(), out
+        config(tmp_path, {"m": b})
+        _sighup_and_wait(fake_systemd)
+        [entry] = c.list()
+        assert entry["state"] == "evicting" and entry["key"]["path"] == str(a)  # its fill has not ended
+        gate.touch()
+        waiter.join(30)
+        assert out == {"result": True}
+        [entry] = c.list()
+        assert entry["state"] == "ready" and entry["key"]["path"] == str(b)
+    fake_systemd.wait_for("FDSTORE", "1")
+    assert len(fake_systemd.store) == 2  # only the new entry was parked
+    log = fake_systemd.log.read_text()
+    assert log.count("admitting m:") == 2 and log.count("loading m:") == 2 and log.count("loaded m") == 1
+    assert "ERROR" not in log and sum("RELOADING" in m for m in fake_systemd.messages) == 1
     assert fake_systemd.stop() == 0

@@ -62,11 +62,17 @@ class FakeDriver:
             setattr(self, name, mock.MagicMock())
         self.CUevent_flags.CU_EVENT_DISABLE_TIMING, self.CUevent_flags.CU_EVENT_BLOCKING_SYNC = 2, 1
         self.CUmemorytype = types.SimpleNamespace(CU_MEMORYTYPE_HOST="host", CU_MEMORYTYPE_DEVICE="device")
+        self.CUdevice_attribute = types.SimpleNamespace(CU_DEVICE_ATTRIBUTE_COMPUTE_MODE=20)
+        self.CUcomputemode = types.SimpleNamespace(CU_COMPUTEMODE_DEFAULT=0, CU_COMPUTEMODE_EXCLUSIVE_PROCESS=3)
 
     def _count(self, name: str) -> None:
         self.calls[name] = self.calls.get(name, 0) + 1
 
-    # contexts, mappings
+    # devices, contexts, mappings
+    def cuDeviceGetAttribute(self, attribute: int, ordinal: int) -> tuple[Any, int]:
+        assert attribute == self.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_MODE
+        return self.ok, self.CUcomputemode.CU_COMPUTEMODE_DEFAULT
+
     def cuDevicePrimaryCtxRetain(self, ordinal: int) -> tuple[Any, object]:
         return self.ok, object()
 

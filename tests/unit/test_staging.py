@@ -39,7 +39,7 @@ def cuda_module(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 def cuda(cuda_module: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     """wcd.arenas.cuda with fake lanes and contexts."""
     module = cuda_module
-    state = types.SimpleNamespace(contexts=0, push_fails=False, lanes=[])
+    state = types.SimpleNamespace(contexts=0, push_fails=False, lanes=[], exclusive=False)
 
     class FakeLane:
         def __init__(self, nbytes: int, count: int) -> None:
@@ -65,7 +65,9 @@ def cuda(cuda_module: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
         yield
 
     state.Lane = module._Lane  # the real one, for tests that fake the driver under it
+    state.exclusive_process = module.exclusive_process  # the same
     monkeypatch.setattr(module, "_Lane", FakeLane)
+    monkeypatch.setattr(module, "exclusive_process", lambda gpu: state.exclusive)
     monkeypatch.setattr(module, "retain_context", retain)
     monkeypatch.setattr(module, "release_context", release)
     monkeypatch.setattr(module, "current", current)
@@ -156,6 +158,48 @@ def test_zero_releases_at_once_and_inf_or_huge_keep(cuda: Any, linger: float) ->
     assert s.held == (linger > 0) and s._timer is None
     s.release()
     assert cuda.state.contexts == 0
+
+
+def test_an_exclusive_process_gpu_keeps_nothing_after_a_load_and_says_so_once(
+        cuda: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """In EXCLUSIVE_PROCESS compute mode the context a load leaves would keep every engine from
+    creating one on that GPU: released as the load ends. A prepare's hold waits for its load, briefly."""
+    import logging
+
+    driver = cuda.cuda
+    modes = {0: driver.CUcomputemode.CU_COMPUTEMODE_EXCLUSIVE_PROCESS, 1: driver.CUcomputemode.CU_COMPUTEMODE_DEFAULT}
+    asked: list[tuple[Any, int]] = []
+
+    def get_attribute(attribute: Any, device: int) -> tuple[Any, Any]:
+        asked.append((attribute, device))
+        return cuda._SUCCESS, modes[device]
+
+    monkeypatch.setattr(driver, "cuDeviceGetAttribute", get_attribute, raising=False)
+    monkeypatch.setattr(cuda, "exclusive_process", cuda.state.exclusive_process)
+    monkeypatch.setattr(cuda, "EXCLUSIVE_PREPARED_S", 0.2)
+    caplog.set_level(logging.INFO, logger="wcd")
+    s = staging(cuda, 30)
+    s.prepare(2)  # the load it prepares for comes soon: kept for it, not for staging_linger_s
+    assert s.held and s._timer is not None and s._timer.interval == 0.2
+    s.open()
+    s.give([s.take(), s.take()])
+    s.close()
+    assert not s.held and cuda.state.contexts == 0 and all(lane.closed for lane in cuda.state.lanes)
+    assert asked == [(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_MODE, 0)]
+    s.open()  # a verify, an adoption check: the same
+    s.close()
+    assert not s.held
+    s.prepare(1)  # its admission failed: nothing takes it over
+    time.sleep(0.5)
+    assert not s.held and cuda.state.contexts == 0
+    other = cuda.Staging(cuda.Gpu(1, "GPU-y", "test"), 4 << 20, 2, 30)  # default mode: lingers
+    other.open()
+    other.close()
+    assert other.held and other._timer is not None and other._timer.interval == 30
+    other.release()
+    [line] = [r for r in caplog.records if "compute mode" in r.getMessage()]
+    assert line.levelno == logging.INFO
+    assert line.getMessage().startswith("test (cuda:0) GPU-x is in exclusive-process compute mode")
 
 
 class FakeMapping:
@@ -278,6 +322,47 @@ def test_cold_reads_direct_by_config_go_through_an_o_direct_descriptor_closed_wi
     backend.configure(30.0)
     assert not writer_parts.staging.direct_reads  # buffered unless configured
     for fd in (warm, cold):
+        os.close(fd)
+    writer_parts.staging.release()
+
+
+def test_a_file_system_that_refuses_o_direct_is_read_buffered_and_said_once(
+        cuda: Any, writer_parts: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """One warning per file system (naming the first file, saying what to do), not per file or load."""
+    import errno
+    import logging
+    import os
+
+    real_open = os.open
+
+    def refusing_open(path: Any, flags: int, *args: Any) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    monkeypatch.setattr(cuda, "_BUFFERED_DEVICES", set())
+    caplog.set_level(logging.INFO, logger="wcd")
+    writer_parts.staging.direct_reads = True
+    first, second = _open_fds(tmp_path, 2)
+    other = real_open("/dev/null", os.O_RDONLY)  # another file system
+    if os.fstat(other).st_dev == os.fstat(first).st_dev:
+        pytest.skip(f"{tmp_path} is on /dev's file system")
+    for fds in ([first, second], [first, second, other]):  # two loads
+        w = cuda.CudaWriter(writer_parts.arena, writer_parts.staging)
+        for fd in fds:
+            w.hint(fd, 0.5)  # cold, but cached enough not to be dropped after
+            w.copy_from_file(fd, 0, 0, 4096)
+        w.close()
+    assert all(copy[0] != "direct" for copy in writer_parts.copies) and len(writer_parts.copies) == 5
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert lines == [
+        f'cold_reads = "direct": cannot open {tmp_path}/shard0 with O_DIRECT (Invalid argument): cold reads from '
+        'its file system are buffered instead; set cold_reads = "buffered" (the default) to silence this',
+        'cold_reads = "direct": cannot open /dev/null with O_DIRECT (Invalid argument): cold reads from '
+        'its file system are buffered instead; set cold_reads = "buffered" (the default) to silence this']
+    for fd in (first, second, other):
         os.close(fd)
     writer_parts.staging.release()
 

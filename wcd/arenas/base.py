@@ -227,3 +227,7 @@ class ArenaBackend(ABC):
     def release(self) -> None:
         """Release lingering staging now (daemon shutdown)."""
         return None
+
+    def lingering(self) -> list[str]:
+        """What `release` would let go now, for messages; this default keeps nothing."""
+        return []

@@ -52,6 +52,10 @@ DROP_FRACTION = 0.02  # below this (the header and fingerprint samples this load
 # last load by default; `configure` sets the latter from the daemon's config.
 POOLED_LANES = 32
 LINGER_S = 30.0
+# On a GPU in exclusive-process compute mode, where a context the daemon holds keeps every engine
+# from creating its own, nothing lingers after a load; only what `prepare` set up for the load
+# about to start waits for it, and at most this long (an admission can fail after its prepare).
+EXCLUSIVE_PREPARED_S = 5.0
 _SUCCESS = cuda.CUresult.CUDA_SUCCESS
 _BAD_DEVICE = (cuda.CUresult.CUDA_ERROR_INVALID_DEVICE, cuda.CUresult.CUDA_ERROR_NO_DEVICE)
 # cuda-bindings 12.9 (the cuda extra's range) runs on R525 and later drivers.
@@ -116,6 +120,14 @@ def retain_context(gpu: Gpu) -> Any:
 
 def release_context(gpu: Gpu) -> None:
     _check(cuda.cuDevicePrimaryCtxRelease(gpu.ordinal), "cuDevicePrimaryCtxRelease")
+
+
+def exclusive_process(gpu: Gpu) -> bool:
+    """Whether the device is in EXCLUSIVE_PROCESS compute mode: one process's context at a time
+    (`nvidia-smi -c`). Needs no context."""
+    mode = _check(cuda.cuDeviceGetAttribute(cuda.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_MODE, gpu.ordinal),
+                  "cuDeviceGetAttribute")
+    return bool(mode == cuda.CUcomputemode.CU_COMPUTEMODE_EXCLUSIVE_PROCESS)
 
 
 @contextmanager
@@ -373,16 +385,38 @@ def _pread_direct(fd: int, view: memoryview, offset: int, need: int) -> None:
 
 def open_direct(fd: int) -> int | None:
     """An O_DIRECT descriptor of the file open as `fd` (reopened through /proc/self/fd, which names
-    that open file, not a path anyone could swap), or None where the file system refuses O_DIRECT."""
+    that open file, not a path anyone could swap), or None where the file system refuses O_DIRECT
+    (one warning per file system: `_warn_buffered`)."""
     try:
         direct = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
-    except OSError:
+    except OSError as e:
+        _warn_buffered(fd, e)
         return None
     a, b = os.fstat(fd), os.fstat(direct)
     if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):  # cannot happen; never read another file
         os.close(direct)
         return None
     return direct
+
+
+_BUFFERED_DEVICES: set[int] = set()  # file systems (st_dev) whose O_DIRECT refusal was logged
+_BUFFERED_LOCK = threading.Lock()
+
+
+def _warn_buffered(fd: int, error: OSError) -> None:
+    """Say once per file system, not per file or load, that `cold_reads = "direct"` reads its files buffered."""
+    device = os.fstat(fd).st_dev
+    with _BUFFERED_LOCK:
+        if device in _BUFFERED_DEVICES:
+            return
+        _BUFFERED_DEVICES.add(device)
+    try:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        path = f"fd {fd}"
+    log.warning('cold_reads = "direct": cannot open %s with O_DIRECT (%s): cold reads from its file system are '
+                'buffered instead; set cold_reads = "buffered" (the default) to silence this',
+                path, error.strerror or error)
 
 
 class Staging:
@@ -392,7 +426,9 @@ class Staging:
     Creating a context and pinning host memory is most of a load's fixed cost, so writers (and
     verify's readers) `open` this and take lanes from it instead. When the last closes, the lanes and the context
     stay `linger_s` seconds for the next load (0: released at once; inf: for the daemon's life),
-    then are released: the daemon holds no CUDA context while it is not loading.
+    then are released: the daemon holds no CUDA context while it is not loading. On a GPU in
+    exclusive-process compute mode they are released as soon as the last closes (see
+    EXCLUSIVE_PREPARED_S): engines could not create their context there meanwhile.
     """
 
     def __init__(self, gpu: Gpu, lane_bytes: int, lane_buffers: int, linger_s: float) -> None:
@@ -406,6 +442,8 @@ class Staging:
         self._free: list[_Lane] = []
         self._making = 0  # lanes `prepare` is making: a load's threads wait for those first
         self._timer: threading.Timer | None = None
+        self._exclusive = False  # the GPU's compute mode when the context was retained
+        self._exclusive_told = False  # the log line about it, once per GPU
         self.direct_reads = False  # cold files through O_DIRECT (`CudaBackend.configure`)
 
     def open(self) -> Any:
@@ -415,7 +453,14 @@ class Staging:
                 self._timer.cancel()
                 self._timer = None
             if self._ctx is None:
+                exclusive = exclusive_process(self.gpu)  # an operator may change it while no context exists
                 self._ctx = retain_context(self.gpu)
+                self._exclusive = exclusive
+                if exclusive and not self._exclusive_told:
+                    self._exclusive_told = True
+                    log.info("%s %s is in exclusive-process compute mode: its CUDA context and load staging are "
+                             "released as each load ends (no staging_linger_s), so that engines can create theirs",
+                             self.gpu.label, self.gpu.uuid)
             self._users += 1
             return self._ctx
 
@@ -439,11 +484,12 @@ class Staging:
             self._free += whole[:keep]
         _cleanup(*(lane.close for lane in whole[keep:] + [lane for lane in lanes if not lane.whole]))
 
-    def close(self) -> None:
-        """One writer done: release everything once no writer is left and `linger_s` has passed."""
+    def close(self, prepared: bool = False) -> None:
+        """One writer done: release everything once no writer is left and `linger_s` has passed.
+        `prepared`: the hold of a `prepare`, whose load is about to take over what it set up."""
         with self._lock:
             self._users -= 1
-            now = self._linger_locked()
+            now = self._linger_locked(prepared)
         if now:
             self.release()
 
@@ -458,14 +504,19 @@ class Staging:
         if now:
             self.release()
 
-    def _linger_locked(self) -> bool:
+    def _linger_locked(self, prepared: bool = False) -> bool:
         """With the lock held and no writer left: start the linger timer; True: release now."""
         if self._users or self._ctx is None or self._timer is not None:
             return False
-        if self.linger_s <= 0:
+        linger = self.linger_s
+        if self._exclusive:
+            if not prepared:
+                return True
+            linger = min(linger, EXCLUSIVE_PREPARED_S)
+        if linger <= 0:
             return True
-        if self.linger_s < threading.TIMEOUT_MAX:  # larger, or inf: kept for the daemon's life
-            self._timer = threading.Timer(self.linger_s, self.release)
+        if linger < threading.TIMEOUT_MAX:  # larger, or inf: kept for the daemon's life
+            self._timer = threading.Timer(linger, self.release)
             self._timer.daemon = True
             self._timer.start()
         return False
@@ -507,7 +558,7 @@ class Staging:
                 with self._lock:
                     self._making -= todo
                     self._lane_made.notify_all()
-            self.close()
+            self.close(prepared=True)
 
     @property
     def warm_read(self) -> int:
@@ -927,6 +978,11 @@ class CudaBackend(ArenaBackend):
         with self._lock:
             stagings = list(self._stagings.values())
         _cleanup(*(s.release for s in stagings))
+
+    def lingering(self) -> list[str]:
+        with self._lock:
+            stagings = list(self._stagings.values())
+        return [f"the CUDA context and load staging of {s.gpu.label}" for s in stagings if s.held]
 
     def canonical(self, device: str) -> str:
         return find_gpu(device).uuid

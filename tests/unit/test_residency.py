@@ -1,0 +1,96 @@
+"""`Residency.close` at shutdown, with fake backends: the driver calls it makes run off the loop,
+and a hung driver holds shutdown for RELEASE_WAIT_S at most."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from wcd import residency
+from wcd.cache import Cache
+from wcd.config import Config
+from wcd.metrics import Metrics
+from wcd.residency import Residency
+from wcd.state import ServerState
+
+
+class StuckBackend:
+    """The part of an `ArenaBackend` shutdown uses; `release` blocks in the "driver" until
+    `unblock` is set (or fails)."""
+
+    def __init__(self, fails: bool = False) -> None:
+        self.unblock = threading.Event()
+        self.fails = fails
+        self.released_in: list[str] = []
+
+    def release(self) -> None:
+        self.released_in.append(threading.current_thread().name)
+        if self.fails:
+            raise RuntimeError("CUDA cuDevicePrimaryCtxRelease failed: CUDA_ERROR_UNKNOWN")
+        self.unblock.wait(30)
+
+    def lingering(self) -> list[str]:
+        return ["the CUDA context and load staging of GPU 0 (cuda:0)"]
+
+
+def make_residency() -> Residency:
+    state = ServerState(Config(), "test", Cache({"cpu": 1 << 30}, 30.0), {"cpu": "cpu"}, 0.0)
+
+    def spawn(coro: Any) -> Any:
+        raise AssertionError("no background work in these tests")
+
+    return Residency(state, Metrics(state), spawn)
+
+
+async def close_and_answer_pings(res: Residency) -> tuple[int, float, int]:
+    """(what close returns, how long it took, loop turns meanwhile: it must not block the loop)."""
+    turns = 0
+
+    async def ping() -> None:
+        nonlocal turns
+        while True:
+            await asyncio.sleep(0.01)
+            turns += 1
+
+    pinger = asyncio.ensure_future(ping())
+    started = time.monotonic()
+    kept = await res.close()
+    took = time.monotonic() - started
+    pinger.cancel()
+    return kept, took, turns
+
+
+def test_a_hung_driver_holds_shutdown_for_the_bounded_wait_then_one_line_says_what_is_left(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    stuck = StuckBackend()
+    monkeypatch.setattr(residency, "loaded_backends", lambda: [stuck])
+    monkeypatch.setattr(residency, "RELEASE_WAIT_S", 0.3)
+    caplog.set_level(logging.INFO, logger="wcd")
+    try:
+        kept, took, turns = asyncio.run(close_and_answer_pings(make_residency()))
+    finally:
+        stuck.unblock.set()
+    assert kept == 0 and 0.3 <= took < 2 and turns >= 10
+    assert stuck.released_in == ["wcd-release"]  # off the loop, in a daemon thread the exit does not join
+    [line] = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert line.getMessage() == (
+        "shutdown: the driver has not let go of the CUDA context and load staging of GPU 0 (cuda:0) after 0.3 s "
+        "(a hung GPU driver?); stopping without waiting: it goes when this process exits")
+    assert line.exc_info is None
+
+
+def test_a_release_that_fails_is_one_line_and_shutdown_goes_on(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    failing = StuckBackend(fails=True)
+    monkeypatch.setattr(residency, "loaded_backends", lambda: [failing])
+    caplog.set_level(logging.INFO, logger="wcd")
+    kept, took, _ = asyncio.run(close_and_answer_pings(make_residency()))
+    assert kept == 0 and took < residency.RELEASE_WAIT_S
+    [line] = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert line.getMessage() == "releasing load staging: CUDA cuDevicePrimaryCtxRelease failed: CUDA_ERROR_UNKNOWN"
+    assert line.exc_info is None
