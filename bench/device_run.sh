@@ -18,6 +18,8 @@
 #   bash bench/device_run.sh regress [GB]  warm loads of oldtree/ (an older revision) against this tree's
 #   bash bench/device_run.sh round5   GPU tests; restart (oldtree/ and this tree, GPU and host, 16 + 64 GB kept);
 #                                     cold 1.6 GB in both orders; the header parse at 100k; a context's memory
+#   bash bench/device_run.sh round5b  GPU tests; restart (oldtree/ compiled, and this tree); cold 1.6 GB with 4/8/16
+#                                     load workers beside fastsafetensors; 1.6 GB warm 1k/100k; 16 GB warm
 # Logs and JSON land in $OUT (the device tool brings them back).
 set -u
 cd "$(dirname "$0")/.."
@@ -157,6 +159,30 @@ q = lambda: subprocess.run(['nvidia-smi', '--query-gpu=memory.used', '--format=c
 d = cudrv.driver(); g = d.gpus()[0]; before = q(); t = time.perf_counter(); d.retain_primary_context(g)
 print('primary context: retain', round((time.perf_counter() - t) * 1e3, 1), 'ms; GPU memory used (MiB) before', before, 'holding', q())" \
       2>&1 | tee "$OUT/context.txt" ;;
+  round5b)  # GPU tests; restart old/new (both compiled); cold with 4/8/16 load workers; 1k/100k warm; 16 GB warm
+    python3 -m compileall -q oldtree/wcd >/dev/null
+    timeout 150 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
+      | grep -E "FAILED|ERROR|passed|failed" | cut -c1-300
+    python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from bench_load import write_checkpoint
+write_checkpoint(Path('/tmp/wcd-bench-load/0.1gb-200'), int(0.1e9), 200, 1)
+write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-1000'), int(1.6e9), 1000, 4)
+write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-100000'), int(1.6e9), 100000, 4)"
+    for round in 1 2 3; do for dev in cuda:0 cpu; do for t in old new; do
+      R=$PWD; [ $t = old ] && R=$PWD/oldtree
+      (cd "$R" && PYTHONPATH=/tmp/site:$R timeout 60 python3 bench/bench_restart.py --device $dev \
+        --ckpt /tmp/wcd-bench-load/0.1gb-200 --restarts 5 > "$OUT/r-$t-$dev-$round.json" 2>"$OUT/restart-err.log")
+      echo "$t $dev $round $(python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print([round(x,3) for x in d['exec_to_ready_s']], d['daemon_says'][-1][:150])" "$OUT/r-$t-$dev-$round.json" 2>&1)"
+    done; done; done | sed 's/cuda:0/gpu/' | tee "$OUT/restart-ab.txt"
+    for round in 1 2; do for w in 4 8 16 fst; do
+      if [ $w = fst ]; then L=fastsafetensors; else L=wcd; fi
+      BENCH_DAEMON_CONFIG="load_workers = ${w/fst/16}" timeout -s INT 60 python3 bench/bench_load.py --device cuda:0 \
+        --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --cold --reps 1 --loaders $L --out "$OUT/cw.json" 2>&1 \
+        | grep '"cold"' | grep -v direct_read | sed "s/^/workers $w: /" | cut -c1-160
+    done; done | tee "$OUT/cold-workers.txt"
+    BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT 150 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load \
+      --ckpt 1.6:1000 --ckpt 1.6:100000 --ckpt 16:1000 --reps 3 --loaders wcd --out "$OUT/load-warm.json" \
+      --daemon-log "$OUT/daemon-warm.log" 2>&1 | grep -v '"wcd_verify"' | cut -c1-300 | tail -6
+    grep -E "admitting|filled from|loaded" "$OUT"/daemon-warm*.log | cut -c1-250 ;;
   streams)  # cold reads as per-file sequential streams (fastsafetensors' pattern) against the loader's 16 x 16 MiB
     timeout -s INT 240 python3 bench/probe_load.py --steps streams --out "$OUT/probe-streams.json" 2>&1 | tail -3 | cut -c1-900 ;;
   order)  # GPU tests; then 1.6 GB cold, fastsafetensors and wcd in both orders (does the order favour the second?)
