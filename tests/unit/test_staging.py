@@ -555,6 +555,20 @@ def test_a_verify_while_the_staging_is_held_pins_nothing(cuda: Any, gpu_arena: A
     assert g.staging.held and g.staging._users == 0 and len(g.staging._free) == digest_workers()
 
 
+def test_after_a_verify_the_arena_keeps_no_context_beyond_the_staging_linger(cuda: Any, gpu_arena: Any) -> None:
+    """The read mapping and the context it retained go with the last reader, not with the arena:
+    otherwise a daemon that verified (or digested, after a restart) a CUDA arena would hold a GPU
+    context for as long as the entry lives."""
+    from wcd.loader import _digest_ranges
+
+    g = gpu_arena
+    assert _digest_ranges(g.arena, g.ranges)[0] == g.want
+    assert g.arena._reader is None and g.arena._readers == 0
+    assert cuda.state.contexts == 1 and g.staging.held  # the staging's, lingering as after a load
+    g.staging.release()
+    assert cuda.state.contexts == 0 and g.arena.fd() >= 0  # the arena is still open
+
+
 def test_a_failed_copy_closes_its_lane_and_a_failed_file_read_pools_it(cuda: Any, gpu_arena: Any) -> None:
     import os
 

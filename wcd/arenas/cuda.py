@@ -765,6 +765,8 @@ class CudaReader(ArenaReader):
     def __init__(self, arena: CudaArena) -> None:
         super().__init__(arena)
         self._cuda_arena = arena
+        arena._hold_reads()
+        self._holding = True  # until `close`: the arena's read mapping stays while any reader is open
         self._staging = arena._staging
         self._ctx: Any = None
         self._lane: _Lane | None = None
@@ -827,7 +829,10 @@ class CudaReader(ArenaReader):
         `CudaWriter.close` does); then this reader's hold on the staging ends."""
         ctx, lane, self._ctx, self._lane, self._ahead = self._ctx, self._lane, None, None, None
         broken, self._broken = self._broken, False
+        holding, self._holding = self._holding, False
         if ctx is None:
+            if holding:
+                self._cuda_arena._end_reads()
             return
         try:
             if lane is not None:
@@ -846,6 +851,8 @@ class CudaReader(ArenaReader):
                         raise error
         finally:
             self._staging.close()
+            if holding:
+                self._cuda_arena._end_reads()
 
 
 class CudaArena(Arena):
@@ -863,6 +870,7 @@ class CudaArena(Arena):
         self._lock = threading.Lock()
         self._reader: VaMapping | None = None
         self._reader_ctx: Any = None
+        self._readers = 0  # readers open (`_hold_reads`): the read mapping goes with the last
 
     def fd(self) -> int:
         return self._fd
@@ -889,9 +897,11 @@ class CudaArena(Arena):
             self._staging.close()
 
     def _source(self, offset: int, nbytes: int) -> tuple[Any, int]:
-        """(context, device address) of an arena range for reading. The first call maps the arena
-        read-only and retains the primary context; both stay until `close` because `verify` reads
-        thousands of ranges from several threads."""
+        """(context, device address) of an arena range for reading, between `_hold_reads` and
+        `_end_reads`. The first call maps the arena read-only and retains the primary context; both
+        stay while any reader is open (`verify` reads thousands of ranges from several threads),
+        and go with the last: a daemon that verified an arena keeps no context for it (523 MiB of
+        an H200's memory, and an exclusive-process GPU kept from engines) beyond the staging's linger."""
         if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
             raise BadRequest(f"read of {nbytes} bytes at {offset} falls outside the arena ({self.size} bytes)")
         with self._lock:
@@ -910,12 +920,29 @@ class CudaArena(Arena):
 
     def _read(self, offset: int, nbytes: int) -> bytes:
         """Device-to-host copy into fresh pageable memory (for small reads; `reader` for many)."""
-        ctx, src = self._source(offset, nbytes)
-        out = bytearray(nbytes)
-        if nbytes:
-            with current(ctx):
-                _check(cuda.cuMemcpyDtoH(out, src, nbytes), "cuMemcpyDtoH")
-        return bytes(out)
+        self._hold_reads()
+        try:
+            ctx, src = self._source(offset, nbytes)
+            out = bytearray(nbytes)
+            if nbytes:
+                with current(ctx):
+                    _check(cuda.cuMemcpyDtoH(out, src, nbytes), "cuMemcpyDtoH")
+            return bytes(out)
+        finally:
+            self._end_reads()
+
+    def _hold_reads(self) -> None:
+        with self._lock:
+            self._readers += 1
+
+    def _end_reads(self) -> None:
+        """A reader is done; the last one unmaps the read mapping and releases its context."""
+        with self._lock:
+            self._readers -= 1
+            if self._readers or self._reader is None:
+                return
+            reader, self._reader = self._reader, None
+        _cleanup(lambda: self._close_reader(reader), lambda: release_context(self._gpu))
 
     def reader(self) -> CudaReader:
         return CudaReader(self)
