@@ -187,3 +187,33 @@ def test_a_gpu_entry_is_served_across_a_restart_and_ready_waits_for_no_cuda_bind
         assert systemd.stop() == 0
     finally:
         systemd.close()
+
+
+def _compute_pids() -> set[int]:
+    """The pids nvidia-smi lists as holding a CUDA context."""
+    import subprocess
+
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"], check=True,
+                         capture_output=True, text=True).stdout
+    return {int(line) for line in out.split() if line.strip().isdigit()}
+
+
+def test_after_a_load_and_a_verify_the_daemon_holds_no_gpu_context(make_daemon: Any, checkpoint: Any) -> None:  # noqa: F811
+    """With `staging_linger_s = 0` the daemon holds a context only while it loads or verifies; the
+    verify's read mapping goes with its last reader, not with the entry. The test's own process,
+    which maps the arena, is listed: the listing works here."""
+    import os
+    import time
+
+    path, _ = checkpoint
+    d = make_daemon("staging_linger_s = 0\n" + GPU_BUDGET + gpu_model(path))
+    assert d.proc is not None
+    with d.client() as c:
+        with c.acquire("m") as lease:
+            assert lease.tensors["w.bf16"].is_cuda
+            assert c.verify("m")["match"] is True
+            deadline = time.monotonic() + 10
+            while d.proc.pid in (pids := _compute_pids()) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert os.getpid() in pids and d.proc.pid not in pids, pids
+    assert d.stop() == 0
