@@ -173,9 +173,9 @@ write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-100000'), int(1.6e9), 100000, 4
         --ckpt /tmp/wcd-bench-load/0.1gb-200 --restarts 5 > "$OUT/r-$t-$dev-$round.json" 2>"$OUT/restart-err.log")
       echo "$t $dev $round $(python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print([round(x,3) for x in d['exec_to_ready_s']], d['daemon_says'][-1][:150])" "$OUT/r-$t-$dev-$round.json" 2>&1)"
     done; done; done | sed 's/cuda:0/gpu/' | tee "$OUT/restart-ab.txt"
-    for round in 1 2; do for w in 4 8 16 fst; do
-      if [ $w = fst ]; then L=fastsafetensors; else L=wcd; fi
-      BENCH_DAEMON_CONFIG="load_workers = ${w/fst/16}" timeout -s INT 60 python3 bench/bench_load.py --device cuda:0 \
+    for round in 1 2; do for w in 4 8 16 fst d4; do
+      case $w in fst) L=fastsafetensors; n=16 ;; d4) L=wcd-direct; n=4 ;; *) L=wcd; n=$w ;; esac
+      BENCH_DAEMON_CONFIG="load_workers = $n" timeout -s INT 60 python3 bench/bench_load.py --device cuda:0 \
         --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --cold --reps 1 --loaders $L --out "$OUT/cw.json" 2>&1 \
         | grep '"cold"' | grep -v direct_read | sed "s/^/workers $w: /" | cut -c1-160
     done; done | tee "$OUT/cold-workers.txt"
