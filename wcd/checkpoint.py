@@ -420,6 +420,8 @@ class Checkpoint:
     Each shard is opened once (`open`) and everything after (fingerprint, fill, digest) reads
     through these descriptors, so a file swapped or re-linked by path after the open is never
     read. `changed` tells whether an open file was written since. Close it (or use `with`).
+    `fingerprinted` is `key.fingerprint`'s memo: the fingerprint and, per shard, the hash's state
+    before its samples and its digest after them.
     """
 
     def __init__(self, path: Path, headers: tuple[Header, ...], fds: tuple[int, ...], unique: bool = False) -> None:
@@ -429,6 +431,7 @@ class Checkpoint:
         self.fds = fds
         self.opened = tuple(FileState.of(fd) for fd in fds)
         self._unique = unique or len(headers) < 2  # one header's names are a dict's keys
+        self.fingerprinted: tuple[str, tuple[tuple[Any, bytes], ...]] | None = None
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], follow_links: bool = False, owner_check: bool = True) -> Checkpoint:
