@@ -340,10 +340,11 @@ class Manifest:
         """`build` for tensors given as valid columns (dtype codes, distinct shapes, each tensor's
         shape index and size in bytes, as a parsed checkpoint has them): the same layout and the
         same checks of the names (same errors, first one first), in bulk. `unique`: the caller
-        has checked that no name appears twice (a checkpoint's, when it was opened)."""
+        has checked that the names are distinct strings (a checkpoint's: the keys of JSON objects,
+        none in two shards, checked when it was opened)."""
         n = len(names)
-        if n and (set(map(type, names)) != {str} or "" in names or max(map(len, names)) > MAX_NAME_LEN
-                  or _has_control("".join(names)) or (not unique and len(set(names)) != n)) or n > MAX_TENSORS:
+        if n and ((not unique and (set(map(type, names)) != {str} or len(set(names)) != n)) or "" in names
+                  or max(map(len, names)) > MAX_NAME_LEN or _has_control("".join(names))) or n > MAX_TENSORS:
             seen: set[str] = set()
             for name in names[: MAX_TENSORS + 1]:  # what `build` would raise, in its order
                 _check_name(name)
@@ -359,7 +360,8 @@ class Manifest:
         # Each offset is aligned, so the next one is it plus the size rounded up (as `build` lays out).
         # Sizes repeat (one per shape and dtype): each distinct one is rounded once, and tensors all
         # of one rounded size (experts, a synthetic checkpoint) are laid out as one range.
-        strides = {n: (n + ALIGN - 1) & -ALIGN for n in dict.fromkeys(sizes)}
+        distinct = sizes[:1] if sizes and sizes.count(sizes[0]) == len(sizes) else dict.fromkeys(sizes)
+        strides = {n: (n + ALIGN - 1) & -ALIGN for n in distinct}
         if len(strides) == 1:
             (stride,) = strides.values()
             end = stride * len(sizes)
