@@ -3,7 +3,9 @@ over the unit tests' fake driver (copies counted, not run), page cache taken as 
 
 Prints, per checkpoint: the copy plan's ops, the device copies (1D and 2D) and the rows the 2D
 ones move, the staging reads (a pread into one pinned buffer, or a preadv gathering an op's pieces)
-and every driver call of the fill. A driver call costs 0.6-2.8 us on the H200 machine.
+and every driver call of the fill. A driver call costs 0.6-2.8 us on the H200 machine. The fill is
+given the admission's fingerprint, as the daemon gives it, so its debug line (printed) times the
+CPU parts of a load's copy phase for real: the plan and the checks after the copies.
 
     python bench/cuda_calls.py --dir /var/tmp/wcd-admit --ckpt 1.6:1000 --ckpt 1.6:100000
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import logging
 import os
 import sys
 import types
@@ -34,10 +37,13 @@ from bench_load import write_checkpoint  # noqa: E402
 
 import wcd.arenas.cuda as wcuda  # noqa: E402
 import wcd.loader  # noqa: E402
-from tests.unit.test_cuda_scatter import DEVICE_BASE, FakeDriver  # noqa: E402
+from tests.unit.fake_cuda import DEVICE_BASE, FakeDriver  # noqa: E402
+from wcd import key  # noqa: E402
 from wcd.checkpoint import Checkpoint  # noqa: E402
 
 _COPIES = ("cuMemcpyHtoDAsync", "cuMemcpy2DAsync")
+_FLAGS = ("CU_STREAM_NON_BLOCKING", "CU_MEM_LOCATION_TYPE_DEVICE", "CU_MEM_ACCESS_FLAGS_PROT_READ",
+          "CU_MEM_ACCESS_FLAGS_PROT_READWRITE")
 
 
 class CountingDriver(FakeDriver):
@@ -46,6 +52,8 @@ class CountingDriver(FakeDriver):
     def __init__(self, ok: Any) -> None:
         super().__init__(ok)
         self.counts: collections.Counter[str] = collections.Counter()
+        for name in ("CUstream_flags", "CUmemLocationType", "CUmemAccess_flags"):  # not MagicMocks: slow to touch
+            setattr(self, name, types.SimpleNamespace(**{k: 0 for k in _FLAGS}))
 
     def cuMemAddressReserve(self, size: int, *_: Any) -> tuple[Any, int]:
         return self.ok, DEVICE_BASE
@@ -88,7 +96,8 @@ def count(path: Path, workers: int) -> dict[str, Any]:
         staging = wcuda.Staging(gpu, wcuda.STAGING_BYTES, wcuda.STAGING_BUFFERS, 0)
         arena = wcuda.CudaArena(gpu, manifest.size, object(), os.open(os.devnull, os.O_RDONLY), staging, "count")
         setup = sum(fake.counts.values())
-        wcd.loader.fill_arena(arena, ckpt, manifest, wcd.loader.Progress(ckpt.nbytes), workers=workers)
+        wcd.loader.fill_arena(arena, ckpt, manifest, wcd.loader.Progress(ckpt.nbytes), workers=workers,
+                              fingerprint=key.fingerprint(ckpt))
         arena.close()
         ops = ckpt.copy_plan(manifest)
     return {"tensors": len(manifest), "ops": len(ops), "scattered_ops": sum(1 for op in ops if op.runs),
@@ -104,6 +113,8 @@ def main() -> None:
     p.add_argument("--shards", type=int, default=4)
     p.add_argument("--workers", type=int, default=16, help="loader threads (16 on the H200 machine)")
     args = p.parse_args()
+    logging.basicConfig(level=logging.DEBUG, format="  %(message)s")
+    logging.getLogger("wcd").setLevel(logging.DEBUG)
     for spec in args.ckpt or ["1.6:1000", "1.6:100000"]:
         gb, tensors = spec.split(":")
         d = args.dir / f"{gb}gb-{tensors}"
