@@ -63,6 +63,7 @@ class Header:
     `begins` and `ends` are offsets into the data section (the header's `data_offsets`; the
     file offset is `data_start` plus them), `sizes` their differences; `shapes` holds the shard's
     distinct shapes and `shape_ids` each tensor's index into it; `dtype_codes` index `DTYPES`.
+    `contiguous`: each tensor begins where the one before ends (no gaps, in header order).
     """
 
     file: Path
@@ -76,6 +77,7 @@ class Header:
     begins: list[int]
     ends: list[int]
     sizes: list[int]
+    contiguous: bool = False
 
     @cached_property
     def tensors(self) -> tuple[StoredTensor, ...]:
@@ -204,33 +206,38 @@ def _parse(file: Path, raw: bytes, data_start: int, file_size: int) -> Header:
     columns = _columns(doc, file_size - data_start)
     if columns is None:
         _refuse_entries(file, doc, file_size - data_start)
-    names, codes, shapes, ids, begins, ends, sizes = columns
-    try:
-        check_overlaps(names, begins, sizes, ends)
-    except WcdError as bad:
-        raise LoadFailed(f"{file}: {bad.message} (data_offsets)") from None
-    return Header(file, raw, data_start, file_size, names, codes, shapes, ids, begins, ends, sizes)
+    names, codes, shapes, ids, begins, ends, sizes, contiguous = columns
+    if not contiguous:  # back to back, in order: nothing can overlap
+        try:
+            check_overlaps(names, begins, sizes, ends)
+        except WcdError as bad:
+            raise LoadFailed(f"{file}: {bad.message} (data_offsets)") from None
+    return Header(file, raw, data_start, file_size, names, codes, shapes, ids, begins, ends, sizes, contiguous)
 
 
-_Columns = tuple[tuple[str, ...], bytes, tuple[tuple[int, ...], ...], "array[int]", list[int], list[int], list[int]]
+_Columns = tuple[tuple[str, ...], bytes, tuple[tuple[int, ...], ...], "array[int]", list[int], list[int], list[int],
+                 bool]
 
 
 def _columns(doc: dict[str, Any], data_size: int) -> _Columns | None:
-    """The header's entries as columns sorted by data offset, or None if any entry is not a valid
-    tensor within `data_size` bytes of data. Checked in bulk (C-level passes over each column, one
-    Python step per distinct shape), never a Python step per tensor; `_refuse_entries` names the
-    first bad entry."""
-    infos = list(doc.values())
-    if not infos:
-        return (), b"", (), array("I"), [], [], []
+    """The header's entries as columns sorted by data offset, and whether they lie back to back,
+    or None if any entry is not a valid tensor within `data_size` bytes of data. Checked in bulk
+    (C-level passes over each column, one Python step per distinct shape), never a Python step per
+    tensor; `_refuse_entries` names the first bad entry. The usual header (entries back to back in
+    order, experts of one shape) skips the passes that others need: hashing each shape, the order
+    check, the overlap check, each size's subtraction."""
+    n = len(doc)
+    if not n:
+        return (), b"", (), array("I"), [], [], [], True
+    infos = doc.values()
     # Each pass raises (or its check fails) exactly where `_refuse_entries` finds a bad entry: an
     # entry that is not an object, a missing key, an unknown or unhashable dtype, a shape that
     # does not iterate to exact ints (`tuple()` of "" or {} is a scalar shape there too), data
     # offsets that are not a pair of exact ints matching the size, data past the end.
     try:
         dtypes = list(map(itemgetter("dtype"), infos))
-        if dtypes.count(dtypes[0]) == len(dtypes):  # one dtype (the usual case): one lookup
-            codes = bytes([DTYPE_CODES[dtypes[0]]]) * len(dtypes)
+        if dtypes.count(dtypes[0]) == n:  # one dtype (the usual case): one lookup
+            codes = bytes([DTYPE_CODES[dtypes[0]]]) * n
         else:
             codes = bytes(map(DTYPE_CODES.__getitem__, dtypes))
         shape_lists = list(map(itemgetter("shape"), infos))
@@ -241,27 +248,42 @@ def _columns(doc: dict[str, Any], data_size: int) -> _Columns | None:
         ends = list(map(itemgetter(1), offsets))
     except (KeyError, TypeError, IndexError):
         return None
-    tuples = list(map(tuple, shape_lists))
-    shapes = tuple(dict.fromkeys(tuples))
+    first = shape_lists[0]
+    if shape_lists[-1] == first and shape_lists.count(first) == n:  # one shape: equal lists of exact ints
+        shapes: tuple[tuple[int, ...], ...] = (tuple(first),)
+        ids = array("I", [0]) * n
+    else:
+        tuples = list(map(tuple, shape_lists))
+        shapes = tuple(dict.fromkeys(tuples))
+        ids = array("I", map(dict(zip(shapes, count())).__getitem__, tuples))
     if any(len(s) > MAX_NDIM or (s and (min(s) < 0 or max(s) > MAX_DIM)) for s in shapes):
         return None
-    ids = array("I", [0]) * len(tuples) if len(shapes) == 1 else \
-        array("I", map(dict(zip(shapes, count())).__getitem__, tuples))
     numels = list(map(math.prod, shapes))
-    if codes.count(codes[0]) == len(codes):  # one dtype: a size per shape
+    one_dtype = codes.count(codes[0]) == n
+    if one_dtype:  # a size per shape
         per_shape = [numel * ITEMSIZES[codes[0]] for numel in numels]
-        sizes = [per_shape[0]] * len(ids) if len(per_shape) == 1 else list(map(per_shape.__getitem__, ids))
+        sizes = [per_shape[0]] * n if len(per_shape) == 1 else list(map(per_shape.__getitem__, ids))
     else:
         sizes = list(map(mul, map(numels.__getitem__, ids), map(ITEMSIZES.__getitem__, codes)))
-    if set(map(type, begins)) != {int} or set(map(type, ends)) != {int} or min(begins) < 0 \
-            or list(map(sub, ends, begins)) != sizes or max(ends) > data_size:
+    if set(map(type, begins)) != {int} or set(map(type, ends)) != {int}:
+        return None
+    # Back to back (each begins where the one before ends; sizes are never negative): in order,
+    # the first begin the least and the last end the most.
+    contiguous = begins[1:] == ends[:-1]
+    if contiguous and one_dtype and len(shapes) == 1:  # all of one size: the begins step by it
+        size, b = sizes[0], begins[0]
+        fits = begins == (list(range(b, b + size * n, size)) if size else [b] * n) and ends[-1] - begins[-1] == size
+    else:
+        fits = list(map(sub, ends, begins)) == sizes
+    if not fits or (min(begins) if not contiguous else begins[0]) < 0 or \
+            (max(ends) if not contiguous else ends[-1]) > data_size:
         return None
     names = tuple(doc)
-    if not all(map(le, begins, islice(begins, 1, None))):  # safetensors writes them in order; others may not
-        pick = itemgetter(*sorted(range(len(begins)), key=begins.__getitem__))  # stable: ties keep header order
+    if not contiguous and not all(map(le, begins, islice(begins, 1, None))):  # safetensors writes them in order
+        pick = itemgetter(*sorted(range(n), key=begins.__getitem__))  # stable: ties keep header order
         names, codes, ids = tuple(pick(names)), bytes(pick(codes)), array("I", pick(ids))
         begins, ends, sizes = list(pick(begins)), list(pick(ends)), list(pick(sizes))
-    return names, codes, shapes, ids, begins, ends, sizes
+    return names, codes, shapes, ids, begins, ends, sizes, contiguous
 
 
 def _refuse_entries(file: Path, doc: dict[str, Any], data_size: int) -> NoReturn:
@@ -420,6 +442,8 @@ class Checkpoint:
     Each shard is opened once (`open`) and everything after (fingerprint, fill, digest) reads
     through these descriptors, so a file swapped or re-linked by path after the open is never
     read. `changed` tells whether an open file was written since. Close it (or use `with`).
+    `fingerprinted` is `key.fingerprint`'s memo: the fingerprint and, per shard, the hash's state
+    before its samples and its digest after them.
     """
 
     def __init__(self, path: Path, headers: tuple[Header, ...], fds: tuple[int, ...], unique: bool = False) -> None:
@@ -429,6 +453,7 @@ class Checkpoint:
         self.fds = fds
         self.opened = tuple(FileState.of(fd) for fd in fds)
         self._unique = unique or len(headers) < 2  # one header's names are a dict's keys
+        self.fingerprinted: tuple[str, tuple[tuple[Any, bytes], ...]] | None = None
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], follow_links: bool = False, owner_check: bool = True) -> Checkpoint:
@@ -515,7 +540,8 @@ class Checkpoint:
             m, start = len(sizes), h.data_start
             # Runs break where the file has a gap and around tensors of `batch` bytes or more.
             big = list(compress(range(m), map(ge, sizes, repeat(batch)))) if m and max(sizes) >= batch else []
-            gaps = () if begins[1:] == ends[:-1] else compress(range(1, m), map(ne, islice(begins, 1, None), ends))
+            gaps = () if h.contiguous or begins[1:] == ends[:-1] else \
+                compress(range(1, m), map(ne, islice(begins, 1, None), ends))
             cuts = sorted({0, m, *gaps, *big, *(k + 1 for k in big)})
             for s, e in zip(cuts, cuts[1:]):
                 if sizes[s] >= batch:

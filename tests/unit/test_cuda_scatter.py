@@ -1,181 +1,24 @@
-"""The CUDA writer's copies of batched small tensors, without a GPU: a fake driver whose copies
-really write into a bytearray standing in for device memory, queued per stream and run only when
-an event or the stream is synchronised (as a GPU would run them later), so a staging buffer reused
-too early shows up as wrong bytes. Checked: every tensor byte lands at its arena offset, through
-2D copies (`_Lane.scatter`) and preadv gathers (`_Lane.gather`) alike, and padding is not written
-by a scatter."""
+"""The CUDA writer's copies of batched small tensors, without a GPU, over `fake_cuda.FakeDriver`
+(copies land in a bytearray standing in for device memory, only when waited for, so a staging
+buffer reused too early shows up as wrong bytes). Checked: every tensor byte lands at its arena
+offset, through 2D copies (`_Lane.scatter`) and preadv gathers (`_Lane.gather`) alike, and padding
+is not written by a scatter."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 import random
-import types
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from tests.unit import test_staging
+from tests.unit.fake_cuda import DEVICE_BASE, PAD, FakeDriver
 from wcd.checkpoint import Checkpoint, run_pieces
 from wcd.loader import Progress, fill_arena
-
-DEVICE_BASE = 1 << 44
-PAD = 0xEE  # what device memory holds before the fill
-
-
-class FakeStream:
-    def __init__(self) -> None:
-        self.queue: list[Callable[[], None] | FakeEvent] = []
-
-    def run(self, until: FakeEvent | None = None) -> None:
-        while self.queue:
-            item = self.queue.pop(0)
-            if isinstance(item, FakeEvent):
-                item.pending = False
-                if item is until:
-                    return
-            else:
-                item()
-
-
-class FakeEvent:
-    def __init__(self) -> None:
-        self.stream: FakeStream | None = None
-        self.pending = False
-
-
-class FakeDriver:
-    """The part of cuda-bindings' driver API that a CudaWriter uses; device memory is `device`."""
-
-    def __init__(self, ok: Any) -> None:
-        self.ok = ok
-        self.device = bytearray()
-        self.host: dict[int, Any] = {}  # address -> ctypes buffer (pinned staging)
-        self.calls: dict[str, int] = {}
-        self.rows: list[int] = []  # the Height of every 2D copy
-        for name in ("CUstream_flags", "CUevent_flags", "CUmemLocationType", "CUmemAccess_flags"):
-            setattr(self, name, mock.MagicMock())
-        self.CUevent_flags.CU_EVENT_DISABLE_TIMING, self.CUevent_flags.CU_EVENT_BLOCKING_SYNC = 2, 1
-        self.CUmemorytype = types.SimpleNamespace(CU_MEMORYTYPE_HOST="host", CU_MEMORYTYPE_DEVICE="device")
-        self.CUdevice_attribute = types.SimpleNamespace(CU_DEVICE_ATTRIBUTE_COMPUTE_MODE=20)
-        self.CUcomputemode = types.SimpleNamespace(CU_COMPUTEMODE_DEFAULT=0, CU_COMPUTEMODE_EXCLUSIVE_PROCESS=3)
-
-    def _count(self, name: str) -> None:
-        self.calls[name] = self.calls.get(name, 0) + 1
-
-    # devices, contexts, mappings
-    def cuDeviceGetAttribute(self, attribute: int, ordinal: int) -> tuple[Any, int]:
-        assert attribute == self.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_MODE
-        return self.ok, self.CUcomputemode.CU_COMPUTEMODE_DEFAULT
-
-    def cuDevicePrimaryCtxRetain(self, ordinal: int) -> tuple[Any, object]:
-        return self.ok, object()
-
-    def cuDevicePrimaryCtxRelease(self, ordinal: int) -> tuple[Any]:
-        return (self.ok,)
-
-    def cuCtxPushCurrent(self, ctx: Any) -> tuple[Any]:
-        return (self.ok,)
-
-    def cuCtxPopCurrent(self) -> tuple[Any, None]:
-        return self.ok, None
-
-    def cuCtxSetCurrent(self, ctx: Any) -> tuple[Any]:
-        return (self.ok,)
-
-    def cuMemAddressReserve(self, size: int, *_: Any) -> tuple[Any, int]:
-        self.device = bytearray([PAD]) * size
-        return self.ok, DEVICE_BASE
-
-    def CUmemAccessDesc(self) -> Any:
-        return types.SimpleNamespace(location=types.SimpleNamespace(), flags=None)
-
-    def cuMemMap(self, *_: Any) -> tuple[Any]:
-        return (self.ok,)
-
-    cuMemSetAccess = cuMemUnmap = cuMemAddressFree = cuMemRelease = cuMemMap
-
-    # lanes: streams, events, pinned memory
-    def cuStreamCreate(self, flags: Any) -> tuple[Any, FakeStream]:
-        return self.ok, FakeStream()
-
-    def cuStreamSynchronize(self, stream: FakeStream) -> tuple[Any]:
-        stream.run()
-        return (self.ok,)
-
-    def cuStreamDestroy(self, stream: FakeStream) -> tuple[Any]:
-        assert not stream.queue, "a stream destroyed with copies pending"
-        return (self.ok,)
-
-    def cuEventCreate(self, flags: Any) -> tuple[Any, FakeEvent]:
-        return self.ok, FakeEvent()
-
-    def cuEventRecord(self, event: FakeEvent, stream: FakeStream) -> tuple[Any]:
-        event.stream, event.pending = stream, True
-        stream.queue.append(event)
-        return (self.ok,)
-
-    def cuEventSynchronize(self, event: FakeEvent) -> tuple[Any]:
-        if event.pending and event.stream is not None:
-            event.stream.run(until=event)
-        return (self.ok,)
-
-    def cuEventDestroy(self, event: FakeEvent) -> tuple[Any]:
-        return (self.ok,)
-
-    def cuMemHostAlloc(self, nbytes: int, flags: int) -> tuple[Any, int]:
-        buf = (ctypes.c_char * nbytes)()
-        self.host[ctypes.addressof(buf)] = buf
-        return self.ok, ctypes.addressof(buf)
-
-    def cuMemFreeHost(self, ptr: int) -> tuple[Any]:
-        del self.host[ptr]
-        return (self.ok,)
-
-    # copies
-    def _host_range(self, src: int, nbytes: int) -> None:
-        assert any(a <= src and src + nbytes <= a + ctypes.sizeof(b) for a, b in self.host.items()), \
-            f"{nbytes} bytes at {src:#x} are not in one pinned buffer"
-
-    def _device_range(self, dst: int, nbytes: int) -> int:
-        at = dst - DEVICE_BASE
-        assert 0 <= at and at + nbytes <= len(self.device), f"{nbytes} bytes at device offset {at} outside the arena"
-        return at
-
-    def cuMemcpyHtoDAsync(self, dst: int, src: int, nbytes: int, stream: FakeStream) -> tuple[Any]:
-        self._count("1d")
-        self._host_range(src, nbytes)
-        at = self._device_range(dst, nbytes)
-
-        def copy() -> None:
-            self.device[at : at + nbytes] = ctypes.string_at(src, nbytes)
-        stream.queue.append(copy)
-        return (self.ok,)
-
-    def CUDA_MEMCPY2D(self) -> Any:
-        return types.SimpleNamespace()
-
-    def cuMemcpy2DAsync(self, p: Any, stream: FakeStream) -> tuple[Any]:
-        self._count("2d")
-        assert (p.srcMemoryType, p.dstMemoryType) == ("host", "device")
-        src, spitch, dst, dpitch = p.srcHost, p.srcPitch, p.dstDevice, p.dstPitch
-        width, height = p.WidthInBytes, p.Height
-        assert 0 < width <= min(spitch, dpitch) and height > 0
-        self.rows.append(height)
-        self._host_range(src, spitch * (height - 1) + width)
-        at = self._device_range(dst, dpitch * (height - 1) + width)
-
-        def copy() -> None:  # the driver read `p` during the call: the values are taken now
-            for r in range(height):
-                self.device[at + r * dpitch : at + r * dpitch + width] = ctypes.string_at(src + r * spitch, width)
-        stream.queue.append(copy)
-        return (self.ok,)
-
 
 cuda_module = test_staging.cuda_module  # the fixture: wcd.arenas.cuda as it is, without a GPU
 

@@ -278,6 +278,29 @@ def test_last_window_always_reaches_the_end(tmp_path: Path) -> None:
     assert fingerprint_checkpoint(file) != before
 
 
+def test_asked_again_an_open_checkpoint_reads_only_the_samples(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check after a fill: the same fingerprint without hashing the headers again, and a
+    changed sample (written in place, through the open file) gives the fingerprint it now has."""
+    import wcd.key
+    from wcd.checkpoint import Checkpoint
+
+    save(tmp_path / "model-1.safetensors", seed=1, prefix="a.")
+    big = tmp_path / "model-2.safetensors"
+    save_file({"w": torch.zeros(2 << 20)}, str(big))  # sampled, not hashed in full
+    with Checkpoint.open(tmp_path) as ckpt:
+        fp = wcd.key.fingerprint(ckpt)
+        with monkeypatch.context() as m:
+            m.setattr(wcd.key, "_hash_head", lambda *_: pytest.fail("the headers were hashed again"))
+            assert wcd.key.fingerprint(ckpt) == fp
+        header = read_header(big)
+        flip(big, _sample_positions(header.data_start, header.file_size)[5] + 7)
+        changed = wcd.key.fingerprint(ckpt)
+        assert changed != fp and changed == fingerprint_checkpoint(tmp_path) == wcd.key.fingerprint(ckpt)
+        flip(big, _sample_positions(header.data_start, header.file_size)[5] + 7)
+        assert wcd.key.fingerprint(ckpt) == fp
+
+
 def test_unparsed_fingerprint_is_the_fingerprint(tmp_path: Path) -> None:
     from wcd.checkpoint import Checkpoint, open_files
     from wcd.key import fingerprint_unparsed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import struct
+from array import array
 from typing import Any
 
 import msgpack
@@ -174,6 +175,86 @@ def test_grouped_puts_interleaved_layers_into_runs() -> None:
     assert sorted(g.runs) == [1, 50, 50, 50, 50, 50] and sum(g.runs) == len(m)
     assert Manifest.from_wire(m.wire(2)).runs == g.runs
     assert m.wire(2) is m.wire(2) and m.wire_ready(2) and not m.wire_ready(1)
+
+
+def reference_grouped(m: Manifest) -> Manifest:
+    """`Manifest.grouped` as it was written a tensor at a time (wcd before the columnar one)."""
+    ndt, codes, ids, offs = len(DTYPES), m.dtype_codes, m.shape_ids, m.offsets
+
+    def stride_runs(lane: list[int]) -> list[int]:
+        out, i = [], 0
+        while i < len(lane):
+            j = i + 1
+            if j < len(lane):
+                step = offs[lane[j]] - offs[lane[i]]
+                j += 1
+                while j < len(lane) and offs[lane[j]] - offs[lane[j - 1]] == step:
+                    j += 1
+            out.append(j - i)
+            i = j
+        return out
+
+    groups: dict[int, list[int]] = {}
+    for i in sorted(range(len(m.names)), key=offs.__getitem__):
+        groups.setdefault(ids[i] * ndt + codes[i], []).append(i)
+    order: list[int] = []
+    runs: list[int] = []
+    for members in groups.values():
+        best: tuple[list[int], list[int]] | None = None
+        for k in range(1, min(8, len(members)) + 1):
+            lanes = [members[r::k] for r in range(k)]
+            counts = [c for lane in lanes for c in stride_runs(lane)]
+            if best is None or len(counts) < len(best[1]):
+                best = ([i for lane in lanes for i in lane], counts)
+            if len(counts) <= k:
+                break
+        assert best is not None
+        order += best[0]
+        runs += best[1]
+    return Manifest(tuple(m.names[i] for i in order), bytes(codes[i] for i in order), m.shapes,
+                    array("I", [ids[i] for i in order]), array("Q", [offs[i] for i in order]),
+                    [m.sizes[i] for i in order], m.size, runs=array("I", runs))
+
+
+@st.composite
+def shuffled_columns(draw: st.DrawFn) -> Manifest:
+    """Columns as `grouped` may meet them: groups of (dtype, shape) interleaved with a period or at
+    random, offsets at one or several strides, in order or not, shared, with gaps and outliers."""
+    n = draw(st.integers(0, 80))
+    kinds = draw(st.integers(1, 4))
+    period = draw(st.integers(1, 5))
+    periodic = draw(st.booleans())
+    group = [i % period % kinds if periodic else draw(st.integers(0, kinds - 1)) for i in range(n)]
+    stride = draw(st.sampled_from([0, 256, 512, 4096]))
+    offsets = [i * stride for i in range(n)]
+    for _ in range(draw(st.integers(0, 4)) if n else 0):  # outliers: a gap, a shared offset, a step back
+        i = draw(st.integers(0, n - 1))
+        offsets[i] = draw(st.sampled_from([offsets[i] + 256, offsets[max(i - 1, 0)], max(offsets[i] - 768, 0)]))
+    if draw(st.booleans()):  # a stride change half-way
+        half = n // 2
+        offsets[half:] = [offsets[half - 1 if half else 0] + (i + 1) * 768 for i in range(n - half)]
+    if draw(st.booleans()):
+        perm = draw(st.permutations(range(n)))
+        group, offsets = [group[i] for i in perm], [offsets[i] for i in perm]
+    codes = bytes(draw(st.sampled_from([0, 11, 14])) if k == 3 else (11 if k < 2 else 14) for k in group)
+    ids = array("I", [k % 3 for k in group])
+    names = tuple(f"t{i}" for i in range(n))
+    size = max(offsets, default=0) + 256
+    return Manifest(names, codes, ((4,), (2, 2), (1,)), ids, array("Q", offsets), [8] * n, size)
+
+
+@settings(max_examples=600, deadline=None)
+@given(m=shuffled_columns())
+def test_grouped_is_the_per_tensor_grouping(m: Manifest) -> None:
+    got, want = m.grouped(), reference_grouped(m)
+    assert (got.names, got.dtype_codes, got.shapes, got.shape_ids, got.offsets, got.sizes, got.size, got.runs) == \
+        (want.names, want.dtype_codes, want.shapes, want.shape_ids, want.offsets, want.sizes, want.size, want.runs)
+
+
+def test_grouped_of_experts_is_one_run_of_the_same_columns() -> None:
+    m = Manifest.build((f"e.{i}", "BF16", (8000,)) for i in range(1000))
+    g = m.grouped()
+    assert list(g.runs) == [1000] and g.names is m.names and g.offsets is m.offsets
 
 
 def test_v2_refuses_runs_that_are_not_runs() -> None:
