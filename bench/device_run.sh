@@ -18,6 +18,8 @@
 #   bash bench/device_run.sh regress [GB]  warm loads of oldtree/ (an older revision) against this tree's
 #   bash bench/device_run.sh round5   GPU tests; restart (oldtree/ and this tree, GPU and host, 16 + 64 GB kept);
 #                                     cold 1.6 GB in both orders; the header parse at 100k; a context's memory
+#   bash bench/device_run.sh round5c  GPU tests; the 1.6 GB table (1k and 100k tensors, five loaders, warm and
+#                                     cold); bench_admit's phases and parse floor at 100k
 #   bash bench/device_run.sh round5b  GPU tests; restart (oldtree/ compiled, and this tree); cold 1.6 GB with 4/8/16
 #                                     load workers beside fastsafetensors; 1.6 GB warm 1k/100k; 16 GB warm
 # Logs and JSON land in $OUT (the device tool brings them back).
@@ -159,6 +161,16 @@ q = lambda: subprocess.run(['nvidia-smi', '--query-gpu=memory.used', '--format=c
 d = cudrv.driver(); g = d.gpus()[0]; before = q(); t = time.perf_counter(); d.retain_primary_context(g)
 print('primary context: retain', round((time.perf_counter() - t) * 1e3, 1), 'ms; GPU memory used (MiB) before', before, 'holding', q())" \
       2>&1 | tee "$OUT/context.txt" ;;
+  round5c)  # GPU tests; 1.6 GB, 1k and 100k tensors, five loaders, warm twice and cold; bench_admit at 100k
+    timeout 150 python3 -m pytest tests/gpu -v -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
+      | grep -E "FAILED|ERROR|passed|failed" | cut -c1-300
+    BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT 420 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load \
+      --ckpt 1.6:1000 --ckpt 1.6:100000 --cold --reps 2 --loaders wcd,safetensors,fastsafetensors,instanttensor,runai \
+      --out "$OUT/load-small.json" --daemon-log "$OUT/daemon-small.log" 2>&1 | tee "$OUT/load-small.log" \
+      | grep -v '"wcd_verify"' | cut -c1-300 | tail -24
+    grep -E "admitting|filled from|loaded" "$OUT"/daemon-small*.log | cut -c1-220
+    timeout 100 python3 bench/bench_admit.py --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --ckpt 1.6:100000 --reps 5 \
+      2>&1 | tee "$OUT/admit.txt" | tail -3 ;;
   round5b)  # GPU tests; restart old/new (both compiled); cold with 4/8/16 load workers; 1k/100k warm; 16 GB warm
     python3 -m compileall -q oldtree/wcd >/dev/null
     timeout 150 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
