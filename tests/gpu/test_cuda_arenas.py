@@ -99,7 +99,23 @@ def test_canonical_names_and_uuid(backend: Any, uuid: str) -> None:
     assert info.device == uuid and info.name.endswith("(cuda:0)") and 0 < info.free <= info.total
     total = backend.total_memory("cuda:0")  # cuDeviceTotalMem, what start-up uses: the same memory as NVML's
     assert abs(total - info.total) <= 0.02 * info.total, (total, info.total)
+    from wcd.arenas import device_memory
+
+    assert device_memory("cuda:0") == (uuid, total)  # start-up's ctypes driver: the same GPU, the same memory
     print(f"[gpu-info] {info}")
+
+
+def test_the_compute_mode_is_read_as_nvidia_smi_reports_it() -> None:
+    """A GPU in exclusive-process mode must not be held through the staging linger: the mode as
+    the bindings give it (an int against their enum) has to match what nvidia-smi says."""
+    import subprocess
+
+    from wcd.arenas.cuda import exclusive_process, find_gpu
+
+    said = subprocess.run(["nvidia-smi", "--query-gpu=compute_mode", "--format=csv,noheader", "-i", "0"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    assert said in ("Default", "Exclusive_Process", "Prohibited"), said
+    assert exclusive_process(find_gpu("cuda:0")) is (said == "Exclusive_Process")
 
 
 def test_create_and_export_without_a_cuda_context() -> None:

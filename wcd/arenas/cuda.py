@@ -127,7 +127,7 @@ def exclusive_process(gpu: Gpu) -> bool:
     (`nvidia-smi -c`). Needs no context."""
     mode = _check(cuda.cuDeviceGetAttribute(cuda.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_MODE, gpu.ordinal),
                   "cuDeviceGetAttribute")
-    return bool(mode == cuda.CUcomputemode.CU_COMPUTEMODE_EXCLUSIVE_PROCESS)
+    return int(mode) == int(cuda.CUcomputemode.CU_COMPUTEMODE_EXCLUSIVE_PROCESS)
 
 
 @contextmanager
