@@ -167,7 +167,10 @@ def test_an_exclusive_process_gpu_keeps_nothing_after_a_load_and_says_so_once(
     import logging
 
     driver = cuda.cuda
-    modes = {0: driver.CUcomputemode.CU_COMPUTEMODE_EXCLUSIVE_PROCESS, 1: driver.CUcomputemode.CU_COMPUTEMODE_DEFAULT}
+    # The driver's int, the bindings' enum: as cuda-bindings has them (CUcomputemode in cuda.h).
+    monkeypatch.setattr(driver, "CUcomputemode", types.SimpleNamespace(CU_COMPUTEMODE_DEFAULT=0,
+                                                                       CU_COMPUTEMODE_EXCLUSIVE_PROCESS=3))
+    modes = {0: 3, 1: 0}
     asked: list[tuple[Any, int]] = []
 
     def get_attribute(attribute: Any, device: int) -> tuple[Any, Any]:
