@@ -20,8 +20,6 @@
 #                                     cold 1.6 GB in both orders; the header parse at 100k; a context's memory
 #   bash bench/device_run.sh round5c  GPU tests; the 1.6 GB table (1k and 100k tensors, five loaders, warm and
 #                                     cold); bench_admit's phases and parse floor at 100k
-#   bash bench/device_run.sh round5d  GPU tests; cold 1.6 GB with and without the read-ahead (staging_linger_s = 0:
-#                                     every load makes its context), beside fastsafetensors and safetensors
 #   bash bench/device_run.sh round5b  GPU tests; restart (oldtree/ compiled, and this tree); cold 1.6 GB with 4/8/16
 #                                     load workers beside fastsafetensors; 1.6 GB warm 1k/100k; 16 GB warm
 # Logs and JSON land in $OUT (the device tool brings them back).
@@ -173,19 +171,6 @@ print('primary context: retain', round((time.perf_counter() - t) * 1e3, 1), 'ms;
     grep -E "admitting|filled from|loaded" "$OUT"/daemon-small*.log | cut -c1-220
     timeout 100 python3 bench/bench_admit.py --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --ckpt 1.6:100000 --reps 5 \
       2>&1 | tee "$OUT/admit.txt" | tail -3 ;;
-  round5d)  # GPU tests; cold 1.6 GB/1k, the read-ahead on and off (every load makes its context), beside two peers
-    timeout 150 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
-      | grep -E "FAILED|ERROR|passed|failed" | cut -c1-300
-    mkdir -p /tmp/noahead && echo "import wcd.arenas.cuda as c; c.READ_AHEAD_BYTES = 0" > /tmp/noahead/sitecustomize.py
-    for round in 1 2 3; do for v in ahead noahead fst st; do
-      case $v in fst) L=fastsafetensors; P=$PYTHONPATH ;; st) L=safetensors; P=$PYTHONPATH ;;
-        noahead) L=wcd; P=/tmp/noahead:$PYTHONPATH ;; *) L=wcd; P=$PYTHONPATH ;; esac
-      PYTHONPATH=$P BENCH_DAEMON_LOG_LEVEL=debug BENCH_DAEMON_CONFIG="staging_linger_s = 0" timeout -s INT 60 \
-        python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --cold --reps 1 \
-        --loaders $L --out "$OUT/c.json" --daemon-log "$OUT/d-$v-$round.log" 2>&1 | grep '"cold"' | grep -v direct_read \
-        | sed "s/^/$v $round: /" | cut -c1-150
-      grep -h "filled from" "$OUT/d-$v-$round.log" 2>/dev/null | tail -1 | cut -c1-230
-    done; done | tee "$OUT/read-ahead.txt" ;;
   round5b)  # GPU tests; restart old/new (both compiled); cold with 4/8/16 load workers; 1k/100k warm; 16 GB warm
     python3 -m compileall -q oldtree/wcd >/dev/null
     timeout 150 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
