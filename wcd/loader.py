@@ -29,7 +29,7 @@ from operator import itemgetter
 from typing import Protocol
 
 from wcd import key
-from wcd.arenas.base import WARM_FRACTION, Arena, ArenaReader, pread_into
+from wcd.arenas.base import Arena, ArenaReader, pread_into
 from wcd.checkpoint import BATCH_BYTES, Checkpoint, CopyOp
 from wcd.errors import LoadFailed
 from wcd.manifest import Manifest
@@ -120,14 +120,11 @@ def fill_arena(
     would leave the arena with a mix of old and new bytes under the old fingerprint.
     """
     times = [time.perf_counter()]
-    cached = [cached_fraction(fd) for fd in checkpoint.fds]
-    read_ahead(checkpoint, cached, arena.read_ahead_bytes())
-    times.append(time.perf_counter())
     writer = arena.writer()
     times.append(time.perf_counter())
     try:
-        for fd, fraction in zip(checkpoint.fds, cached):
-            writer.hint(fd, fraction)
+        for fd in checkpoint.fds:
+            writer.hint(fd, cached_fraction(fd))
         ops = plan if not isinstance(plan, Manifest) else \
             checkpoint.copy_plan(plan, batch=[writer.batch_bytes(fd) or BATCH_BYTES for fd in checkpoint.fds])
         times.append(time.perf_counter())
@@ -168,24 +165,9 @@ def fill_arena(
     finally:
         writer.close()
     times.append(time.perf_counter())
-    looking, writing, planning, copying, checking, closing = (b - a for a, b in pairwise(times))
-    log.debug("filled from %s: page cache and read-ahead %.3f s, writer %.3f s, hints and plan %.3f s, %d copies "
-              "%.3f s, checks %.3f s, close %.3f s", checkpoint.path, looking, writing, planning, len(ops), copying,
-              checking, closing)
-
-
-def read_ahead(checkpoint: Checkpoint, cached: list[float], nbytes: int) -> None:
-    """Ask the kernel to read the first `nbytes` of the cold shards' data (in shard order, as the
-    plan reads them) into the page cache, without waiting: the disk works while the writer gets
-    ready, and the loader's first reads find the pages there or on their way."""
-    for fd, fraction, header in zip(checkpoint.fds, cached, checkpoint.headers):
-        if nbytes <= 0:
-            return
-        if fraction >= WARM_FRACTION:
-            continue
-        n = min(nbytes, header.file_size - header.data_start)
-        os.posix_fadvise(fd, header.data_start, n, os.POSIX_FADV_WILLNEED)
-        nbytes -= n
+    writing, planning, copying, checking, closing = (b - a for a, b in pairwise(times))
+    log.debug("filled from %s: writer %.3f s, hints and plan %.3f s, %d copies %.3f s, checks %.3f s, close %.3f s",
+              checkpoint.path, writing, planning, len(ops), copying, checking, closing)
 
 
 DIGEST_CHUNK = 16 << 20

@@ -604,21 +604,3 @@ def test_a_reader_announced_one_span_and_asked_for_another_reads_the_other(cuda:
     finally:
         reader.close()
     assert g.staging._users == 0 and len(g.staging._free) == 1
-
-
-def test_a_gpu_arena_asks_for_read_ahead_only_while_its_writer_would_wait_for_staging(cuda: Any) -> None:
-    import os
-
-    s = staging(cuda, 30)
-    arena = cuda.CudaArena(s.gpu, 4 << 20, object(), os.open(os.devnull, os.O_RDONLY), s, "t")
-    try:
-        assert arena.read_ahead_bytes() == cuda.READ_AHEAD_BYTES  # no context yet: ~0.1 s to make one
-        s.open()
-        s.close()  # a load ended: the staging lingers
-        assert s.held and arena.read_ahead_bytes() == 0
-        s.release()
-        s.direct_reads = True  # cold files through O_DIRECT: the page cache would not serve them
-        assert not s.held and arena.read_ahead_bytes() == 0
-    finally:
-        os.close(arena.fd())
-        arena._fd = -1  # closed: its fake handle is not the driver's to release

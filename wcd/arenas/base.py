@@ -22,7 +22,6 @@ if TYPE_CHECKING:  # not at run time: clients import this module, and need no ch
 
 # The device name of host memory (sealed memfds); GPUs are "cuda:N" or a GPU UUID.
 HOST_DEVICE = "cpu"
-WARM_FRACTION = 0.9  # a file with at least this much in the page cache is read as warm (`ArenaWriter.hint`)
 # Guards every arena's count of workers using it: held for a few instructions twice per job.
 _USES = threading.Lock()
 
@@ -176,12 +175,6 @@ class Arena(ABC):
         """The part of `ArenaBackend.adopt`'s validation too slow for start-up (CUDA: it needs a
         context); run in a worker after READY and before the arena is served. `BadRequest` if the
         arena is not what its record says. Backends whose `adopt` checks everything do nothing."""
-
-    def read_ahead_bytes(self) -> int:
-        """How much of the checkpoint's cold files the loader asks the kernel to read ahead before
-        it creates the writer: what the disk can bring in while the writer gets ready. 0 here: a
-        host arena's writer is ready at once."""
-        return 0
 
     def reader(self) -> ArenaReader:
         """A reader with its own reusable buffer, for one thread (used by `verify`, under `in_use`)."""

@@ -20,7 +20,7 @@ from typing import Any
 
 from cuda.bindings import driver as cuda
 
-from wcd.arenas.base import WARM_FRACTION, Arena, ArenaBackend, ArenaReader, ArenaWriter, DeviceInfo, pread_into
+from wcd.arenas.base import Arena, ArenaBackend, ArenaReader, ArenaWriter, DeviceInfo, pread_into
 from wcd.arenas.cudrv import Gpu, format_uuid, resolve_gpu
 from wcd.checkpoint import Run
 from wcd.config import format_size
@@ -41,10 +41,7 @@ COLD_READ_BYTES = 16 << 20
 # verify's device-to-host copies (`CudaReader.windows`), into a lane's buffers: cache-sized, so the
 # hashing of one overlaps the copy of the next even in lanes that cold reads grew to 16 MiB.
 READ_WINDOW = 4 << 20
-# Asked of the kernel (WILLNEED) from the cold files before a load's writer, when it has to create
-# the GPU's context and pin its staging first (0.11-0.13 s on the H200 machines: that much disk time
-# was idle): 16 loader threads' first 16 MiB reads, what the loader reads first.
-READ_AHEAD_BYTES = 256 << 20
+WARM_FRACTION = 0.9  # a file with at least this much in the page cache is read as warm
 # With `cold_reads = "direct"`, cold files are read with O_DIRECT: whole aligned blocks into the
 # pinned buffers, no page-cache copy and nothing left in the cache; buffered where the file system
 # refuses it. Not the default: on the H200 machines buffered reads were faster (16 GB: 10.24 s
@@ -949,11 +946,6 @@ class CudaArena(Arena):
 
     def reader(self) -> CudaReader:
         return CudaReader(self)
-
-    def read_ahead_bytes(self) -> int:
-        """READ_AHEAD_BYTES unless the staging is up already (its writer is ready at once) or cold
-        files are read with O_DIRECT, which the page cache the read-ahead fills would not serve."""
-        return 0 if self._staging.held or self._staging.direct_reads else READ_AHEAD_BYTES
 
     def _release(self) -> None:
         """Release the allocation and close the exported fd; the memory returns to the driver once
