@@ -20,6 +20,8 @@
 #                                     cold 1.6 GB in both orders; the header parse at 100k; a context's memory
 #   bash bench/device_run.sh round5c  GPU tests; the 1.6 GB table (1k and 100k tensors, five loaders, warm and
 #                                     cold); bench_admit's phases and parse floor at 100k
+#   bash bench/device_run.sh front    cold read patterns on 1.6 GB (fastsafetensors' 16 x 512 KiB O_DIRECT front and
+#                                     neighbours), then fastsafetensors and wcd cold
 #   bash bench/device_run.sh round5b  GPU tests; restart (oldtree/ compiled, and this tree); cold 1.6 GB with 4/8/16
 #                                     load workers beside fastsafetensors; 1.6 GB warm 1k/100k; 16 GB warm
 # Logs and JSON land in $OUT (the device tool brings them back).
@@ -171,6 +173,12 @@ print('primary context: retain', round((time.perf_counter() - t) * 1e3, 1), 'ms;
     grep -E "admitting|filled from|loaded" "$OUT"/daemon-small*.log | cut -c1-220
     timeout 100 python3 bench/bench_admit.py --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --ckpt 1.6:100000 --reps 5 \
       2>&1 | tee "$OUT/admit.txt" | tail -3 ;;
+  front)  # cold read patterns on 1.6 GB (fastsafetensors' O_DIRECT front), then fastsafetensors and wcd cold
+    timeout -s INT 150 python3 bench/probe_load.py --steps front --out "$OUT/probe-front.json" 2>&1 | tail -2 | cut -c1-2500
+    for L in fastsafetensors wcd wcd-direct; do
+      timeout -s INT 60 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --cold \
+        --reps 1 --loaders $L --out "$OUT/c-$L.json" 2>&1 | grep '"cold"' | grep -v direct_read | cut -c1-150
+    done ;;
   round5b)  # GPU tests; restart old/new (both compiled); cold with 4/8/16 load workers; 1k/100k warm; 16 GB warm
     python3 -m compileall -q oldtree/wcd >/dev/null
     timeout 150 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
