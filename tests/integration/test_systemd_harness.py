@@ -180,6 +180,20 @@ def in_thread(job: Any) -> tuple[threading.Thread, dict[str, Any]]:
     return thread, out
 
 
+def waiting_acquire(harness: FakeSystemd, want: dict[str, torch.Tensor]) -> tuple[threading.Thread, dict[str, Any]]:
+    """A client acquiring "m" in a thread, asserted to be still waiting after 0.5 s; its "result" is
+    whether it got `want`'s values."""
+
+    def acquire() -> bool:
+        with Client(harness.sock_path) as c, c.acquire("m") as lease:
+            return same(lease.tensors["w"], want["w"]) and same(lease.tensors["b"], want["b"])
+
+    waiter, out = in_thread(acquire)
+    waiter.join(0.5)
+    assert waiter.is_alive(), out  # not served yet
+    return waiter, out
+
+
 def rewrite_record(harness: FakeSystemd, change: Any) -> None:
     """Replace the one parked record in the harness's fd store by `change(record)`."""
     [name] = [n for n in harness.store if n.endswith(".record")]
@@ -414,13 +428,7 @@ def test_an_acquire_before_the_check_after_ready_waits_for_it(fake_systemd, tmp_
         with pytest.raises(Busy, match="is loading"):
             c.acquire("m", wait=False)
 
-        def acquire() -> bool:
-            with Client(fake_systemd.sock_path) as c2, c2.acquire("m") as lease:
-                return same(lease.tensors["w"], tensors["w"]) and same(lease.tensors["b"], tensors["b"])
-
-        waiter, out = in_thread(acquire)
-        waiter.join(0.5)
-        assert waiter.is_alive(), out  # not served before its check
+        waiter, out = waiting_acquire(fake_systemd, tensors)
         gate.touch()
         waiter.join(30)
         assert out == {"result": True}
@@ -443,13 +451,7 @@ def test_a_stale_checkpoint_is_never_served_to_a_client_waiting_for_the_check(fa
     env, gate = gated_checks(tmp_path)
     fake_systemd.start(cfg, env=env)
 
-    def acquire() -> bool:
-        with Client(fake_systemd.sock_path) as c, c.acquire("m") as lease:
-            return same(lease.tensors["w"], new["w"]) and same(lease.tensors["b"], new["b"])
-
-    waiter, out = in_thread(acquire)
-    waiter.join(0.5)
-    assert waiter.is_alive(), out
+    waiter, out = waiting_acquire(fake_systemd, new)
     at = len(fake_systemd.messages)
     gate.touch()
     waiter.join(30)
@@ -538,13 +540,7 @@ def test_a_model_changed_by_sighup_while_its_readopted_entry_is_checked_loads_on
     since = len(fake_systemd.log.read_text())
     fake_systemd.start(cfg, env=env)
 
-    def acquire() -> bool:
-        with Client(fake_systemd.sock_path) as c, c.acquire("m") as lease:
-            return same(lease.tensors["w"], new["w"]) and same(lease.tensors["b"], new["b"])
-
-    waiter, out = in_thread(acquire)
-    waiter.join(0.5)
-    assert waiter.is_alive(), out
+    waiter, out = waiting_acquire(fake_systemd, new)
     config(tmp_path, {"m": b})
     at = len(fake_systemd.messages)
     _sighup_and_wait(fake_systemd)
@@ -579,13 +575,7 @@ def test_a_model_changed_by_sighup_while_it_loads_is_loaded_per_the_new_config_o
     with Client(fake_systemd.sock_path) as c:
         assert c.list()[0]["state"] == "loading"
 
-        def acquire() -> bool:
-            with Client(fake_systemd.sock_path) as c2, c2.acquire("m") as lease:
-                return same(lease.tensors["w"], new["w"]) and same(lease.tensors["b"], new["b"])
-
-        waiter, out = in_thread(acquire)
-        waiter.join(0.5)
-        assert waiter.is_alive(), out
+        waiter, out = waiting_acquire(fake_systemd, new)
         config(tmp_path, {"m": b})
         _sighup_and_wait(fake_systemd)
         [entry] = c.list()
