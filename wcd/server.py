@@ -31,7 +31,7 @@ from wcd import __version__, ops, protocol, systemd
 from wcd.cache import Cache
 from wcd.config import Config, format_progress, format_size, load_config
 from wcd.connection import Connection, Limits, Quotas
-from wcd.errors import BadRequest, Busy, ConfigError, Internal, PermissionDenied, WcdError
+from wcd.errors import BadRequest, Busy, ConfigError, Internal, NotFound, PermissionDenied, WcdError
 from wcd.metrics import Metrics
 from wcd.metrics_http import MetricsHttp
 from wcd.residency import Residency, device_budgets
@@ -333,11 +333,13 @@ class Server:
 
 
 def _log_failure(task: asyncio.Task[Any]) -> None:
+    """A background task's failure, one line. `NotFound` is what a fill ends with when its entry was
+    evicted meanwhile (an operator's evict, a reload): said, not an error of the daemon's."""
     if task.cancelled() or task.exception() is None:
         return
     exc = task.exception()
     if isinstance(exc, WcdError):
-        log.error("%s", exc.message)
+        log.log(logging.INFO if isinstance(exc, NotFound) else logging.ERROR, "%s", exc.message)
     else:
         log.error("background task failed", exc_info=exc)
 
