@@ -514,24 +514,28 @@ class Residency:
         and the fingerprint reads the checkpoint's filesystem, so none of them delays READY. A
         failure drops the entry and its fds with one line; a configured model is then loaded from
         disk, and acquires waiting for the entry wait for that load instead."""
+        def gone() -> bool:  # dropped meanwhile (evicted twice, say): `reclaim` closed what it held
+            return self.cache.entries.get(entry.name) is not entry
+
         try:
-            backend = self._backend(entry.device)
-            try:
-                arena = await asyncio.to_thread(backend.adopt, fd, entry.device, rec.arena_size, rec.name)
-            except BaseException:
-                os.close(fd)
-                raise
-            if self.cache.entries.get(entry.name) is not entry:  # dropped meanwhile (evicted)
+            arena = await self._open_adopted(entry, rec, fd)
+            if gone():
                 _close_later(arena)
                 return
             entry.arena = arena
             manifest = await asyncio.to_thread(rec.manifest)
             notes = await asyncio.to_thread(self._refingerprint, rec) if rec.origin != "publish" else []
-            await self._using(None, entry.arena, lambda arena: arena.check_adopted())
+            if gone():
+                return
+            await self._using(None, arena, lambda arena: arena.check_adopted())
         except Exception as e:  # noqa: BLE001 - whatever went wrong, the entry must not stay unchecked
+            if gone():
+                return
             log.warning("fd store: dropping %s: %s", entry.name,
                         e.message if isinstance(e, WcdError) else f"{type(e).__name__}: {e}")
             await self._drop_loading(entry, failed_check=True)
+            return
+        if gone():
             return
         entry.manifest, entry.notes, entry.done_bytes = manifest, notes, manifest.nbytes
         if entry.state == "evicting":  # evicted while it was checked
@@ -543,6 +547,24 @@ class Residency:
         self._set_ready(entry)
         log.info("adopted %s from systemd's fd store (%s on %s, no disk read)%s", entry.name,
                  format_size(entry.nbytes), entry.device, f"; {entry.notes[0]}" if entry.notes else "")
+
+    async def _open_adopted(self, entry: Entry, rec: parking.ParkedEntry, fd: int) -> Arena:
+        """The arena of a re-adopted entry, opened by its backend in a worker; `fd` is the arena's
+        from then on, and closed here if that fails. Cancelled meanwhile (shutdown), the worker's
+        arena is closed once it is done, or the fd if the open failed: never under the worker."""
+        def open_it() -> Arena:
+            try:
+                return self._backend(entry.device).adopt(fd, entry.device, rec.arena_size, rec.name)
+            except BaseException:
+                os.close(fd)
+                raise
+
+        future = asyncio.get_running_loop().run_in_executor(None, open_it)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            future.add_done_callback(lambda f: None if f.cancelled() or f.exception() else _close_later(f.result()))
+            raise
 
     async def _drop_loading(self, entry: Entry, failed_check: bool = False) -> bool:
         """Drop an entry whose load, or whose check after re-adoption, ended without making it

@@ -20,6 +20,7 @@ __all__ = ["Arena", "ArenaBackend", "ArenaWriter", "DeviceInfo", "backend_for", 
            "loaded_backends", "start_driver"]
 
 _backends: dict[str, ArenaBackend] = {}
+_backends_lock = threading.Lock()
 
 
 def is_gpu_device(device: str) -> bool:
@@ -31,21 +32,29 @@ def backend_for(device: str) -> ArenaBackend:
     kind = "cuda" if is_gpu_device(device) else device
     backend = _backends.get(kind)
     if backend is None:
-        if kind == HOST_DEVICE:
-            from wcd.arenas.host import HostBackend
+        with _backends_lock:  # the loop and a worker (an adoption check) may both come first
+            return _backends.get(kind) or _new_backend(kind, device)
+    return backend
 
-            backend = HostBackend()
-        elif kind == "cuda":
-            try:
-                from wcd.arenas.cuda import CudaBackend
-            except ModuleNotFoundError as e:
-                if (e.name or "").partition(".")[0] != "cuda":
-                    raise
-                raise DeviceUnavailable(_missing_bindings(device)) from None
-            backend = CudaBackend()
-        else:
-            raise BadRequest(f"unknown device {device!r}: use \"cpu\", \"cuda:N\" or a GPU UUID (GPU-...)")
-        _backends[kind] = backend
+
+def _new_backend(kind: str, device: str) -> ArenaBackend:
+    """Make and keep the backend of `kind` (under `_backends_lock`)."""
+    backend: ArenaBackend
+    if kind == HOST_DEVICE:
+        from wcd.arenas.host import HostBackend
+
+        backend = HostBackend()
+    elif kind == "cuda":
+        try:
+            from wcd.arenas.cuda import CudaBackend
+        except ModuleNotFoundError as e:
+            if (e.name or "").partition(".")[0] != "cuda":
+                raise
+            raise DeviceUnavailable(_missing_bindings(device)) from None
+        backend = CudaBackend()
+    else:
+        raise BadRequest(f"unknown device {device!r}: use \"cpu\", \"cuda:N\" or a GPU UUID (GPU-...)")
+    _backends[kind] = backend
     return backend
 
 

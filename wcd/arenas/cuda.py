@@ -850,9 +850,11 @@ class CudaReader(ArenaReader):
                     if error is not None:
                         raise error
         finally:
-            self._staging.close()
-            if holding:
-                self._cuda_arena._end_reads()
+            try:
+                self._staging.close()
+            finally:
+                if holding:
+                    self._cuda_arena._end_reads()
 
 
 class CudaArena(Arena):

@@ -134,8 +134,12 @@ class Driver:
         self._gpus: tuple[Gpu, ...] | None = None
         if err == ERROR_NO_DEVICE:  # e.g. CUDA_VISIBLE_DEVICES="": a driver, but no GPU visible
             self._gpus = ()
-        elif err != SUCCESS:
-            raise DeviceUnavailable(f"CUDA driver not usable (cuInit: error {err}); install the NVIDIA driver")
+        elif err != SUCCESS:  # no driver, one too old, no /dev/nvidia* access, ...
+            label = ctypes.c_char_p()
+            self._fn["cuGetErrorName"](err, ctypes.byref(label))
+            name = (label.value or f"error {err}".encode()).decode()
+            raise DeviceUnavailable(f"CUDA driver not usable (cuInit: {name}); install the NVIDIA driver (R525 or "
+                                    "later), or use device \"cpu\"")
 
     def _call(self, name: str, what: str, *args: Any) -> None:
         err = self._fn[name](*args)
