@@ -158,7 +158,9 @@ async def acquire(ctx: Context, conn: Connection, req: protocol.Acquire) -> None
     target = ctx.residency.resolve(req.target())
     entry = ctx.state.cache.find(target)
     deadline = time.monotonic() + req.timeout_s
-    while entry.state in ("loading", "filling"):
+    # Evicting but still loading (a reload changed it during its fill or check): wait for that to
+    # end, as for a load; the model of the new config is then admitted under its name.
+    while entry.state in ("loading", "filling") or ctx.residency.still_loading(entry):
         if not req.wait:
             raise Busy(f"entry {entry.name!r} is {entry.state}", {"state": entry.state})
         try:

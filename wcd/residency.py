@@ -248,6 +248,11 @@ class Residency:
             raise NotFound(f"entry {entry.name!r} went away while loading (evicted or failed; see the daemon log)")
         return entry
 
+    def still_loading(self, entry: Entry) -> bool:
+        """Whether `entry`'s fill, or its check after a restart, has not ended yet (it may be
+        evicting meanwhile: `supersede`)."""
+        return entry.name in self._ready and self.cache.entries.get(entry.name) is entry
+
     def _set_ready(self, entry: Entry) -> None:
         event = self._ready.pop(entry.name, None)
         if event is not None:

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,3 +173,41 @@ def test_a_second_evict_during_the_check_drops_the_entry_quietly(monkeypatch: py
     asyncio.run(main())
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert warnings == [], warnings
+
+
+def test_an_acquire_after_a_reload_changed_an_entry_still_being_checked_waits_for_the_check(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reload that changes (here: removes) a model whose entry is still being checked evicts it
+    once the check ends. An acquire with wait=True arriving in between waits for that end rather
+    than being refused at once as `evicting`; the model is gone from the config, so it then hears
+    the entry went away."""
+    from types import SimpleNamespace
+
+    from wcd import ops, protocol
+    from wcd.errors import NotFound
+
+    gate = threading.Event()
+    backend = FakeBackend()
+    monkeypatch.setattr(residency, "backend_for", lambda device: backend)
+    monkeypatch.setattr(residency, "_unstore", lambda name: None)
+
+    async def main() -> float:
+        res = make()
+        rec = Rec("m", WeightCacheKey(model="m"), gate=gate)
+        entry = res._adopt(rec)
+        task = asyncio.ensure_future(res._check_adopted(entry, rec, arena_fd()))
+        await asyncio.to_thread(backend.entered.wait, 5)
+        res.supersede(entry)  # SIGHUP: m is no longer configured
+        assert entry.state == "evicting" and res.still_loading(entry)
+        ctx = ops.Context(res.state, res, res._metrics)
+        conn = SimpleNamespace(version=2, pid=1, uid=0, quotas=SimpleNamespace(fd_room=lambda c: None))
+        req = protocol.Acquire(op="acquire", id=1, name="m", wait=True, timeout_s=5)
+        asyncio.get_running_loop().call_later(0.3, gate.set)  # the check ends
+        started = time.monotonic()
+        with pytest.raises(NotFound, match="went away"):
+            await ops.acquire(ctx, conn, req)  # type: ignore[arg-type]
+        await task
+        assert "m" not in res.cache.entries
+        return time.monotonic() - started
+
+    assert asyncio.run(main()) >= 0.25  # it waited for the check
