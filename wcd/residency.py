@@ -100,6 +100,7 @@ class Residency:
         # Adopted before READY, with their arena fds: `start_checks` opens and checks them after.
         self._unchecked: list[tuple[Entry, parking.ParkedEntry, int]] = []
         self._superseded: set[str] = set()  # entries a reload evicted that had to finish first (`supersede`)
+        self.hung = False  # `close` gave up waiting for the driver: the process must not wait for it either
         self._digest_pool = ThreadPoolExecutor(state.config.daemon.digest_workers, thread_name_prefix="wcd-digest")
         self._fill_pool = ThreadPoolExecutor(FILL_WORKERS, thread_name_prefix="wcd-fill")
 
@@ -651,6 +652,7 @@ class Residency:
             what = ([f"{n} arena{'s' if n != 1 else ''}"] if n else []) + staging_left or ["the GPU load staging"]
             log.warning("shutdown: the driver has not let go of %s after %g s (a hung GPU driver?); stopping "
                         "without waiting: it goes when this process exits", " and ".join(what), RELEASE_WAIT_S)
+            self.hung = True
         return sum(1 for name in self._parked if name in self.cache.entries)
 
 

@@ -22,6 +22,7 @@ import socket
 import struct
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Coroutine
 from pathlib import Path
@@ -34,7 +35,7 @@ from wcd.connection import Connection, Limits, Quotas
 from wcd.errors import BadRequest, Busy, ConfigError, Internal, NotFound, PermissionDenied, WcdError
 from wcd.metrics import Metrics
 from wcd.metrics_http import MetricsHttp
-from wcd.residency import Residency, device_budgets
+from wcd.residency import RELEASE_WAIT_S, Residency, device_budgets
 from wcd.state import ServerState
 
 log = logging.getLogger("wcd")
@@ -332,6 +333,21 @@ class Server:
             await asyncio.sleep(interval)
 
 
+async def _drained(timeout: float) -> bool:
+    """Whether the loop's executor and every other worker thread (the load and digest pools) end
+    within `timeout` s; asyncio would otherwise join them at exit without a limit."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    try:
+        await asyncio.wait_for(loop.shutdown_default_executor(), timeout)
+    except asyncio.TimeoutError:
+        return False
+    workers = [t for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon]
+    while any(t.is_alive() for t in workers) and loop.time() < deadline:
+        await asyncio.sleep(0.02)
+    return not any(t.is_alive() for t in workers)
+
+
 def _log_failure(task: asyncio.Task[Any]) -> None:
     """A background task's failure, one line. `NotFound` is what a fill ends with when its entry was
     evicted meanwhile (an operator's evict, a reload): said, not an error of the daemon's."""
@@ -445,6 +461,16 @@ def run(config: Config, instance: str = "wcd", config_path: Path | None = None,
             await server.serve()
         finally:
             await server.shutdown()
+        # The loop's executor and the load pools would join hung threads at exit until systemd's stop
+        # timeout kills us: everything is said and parked by now, so then go without them.
+        hung = server.residency.hung  # said by Residency.close
+        if not hung and not await _drained(RELEASE_WAIT_S):
+            log.warning("shutdown: worker threads still busy after %g s (in a hung GPU driver?): exiting "
+                        "without them", RELEASE_WAIT_S)
+            hung = True
+        if hung:
+            logging.shutdown()
+            os._exit(0)
 
     uvloop.run(main())
     return 0

@@ -591,3 +591,58 @@ def test_a_model_changed_by_sighup_while_it_loads_is_loaded_per_the_new_config_o
     assert log.count("admitting m:") == 2 and log.count("loading m:") == 2 and log.count("loaded m") == 1
     assert "ERROR" not in log and sum("RELOADING" in m for m in fake_systemd.messages) == 1
     assert fake_systemd.stop() == 0
+
+
+# Loaded by the daemon under test (through PYTHONPATH): an arena whose release never returns, as
+# under a hung GPU driver.
+HUNG_RELEASE_SITE = """
+import time
+from wcd.arenas import host
+
+host.HostArena._release = lambda self: time.sleep(3600)
+"""
+
+
+def test_a_driver_hung_at_shutdown_holds_the_exit_for_the_bounded_wait_only(fake_systemd, tmp_path):
+    """systemd stops the daemon while releasing an arena hangs: it says so in one line and exits
+    (status 0, the arena parked for the next start) after RELEASE_WAIT_S, not at the stop timeout."""
+    from wcd.residency import RELEASE_WAIT_S
+
+    ckpt = tmp_path / "m"
+    write_model(ckpt, seed=1)
+    cfg = config(tmp_path, {"m": ckpt})
+    site = tmp_path / "hung-site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(HUNG_RELEASE_SITE)
+    fake_systemd.start(cfg, env={"PYTHONPATH": str(site)})
+    with Client(fake_systemd.sock_path) as c, c.acquire("m"):
+        pass
+    fake_systemd.wait_for("FDSTORE", "1")
+    started = time.monotonic()
+    assert fake_systemd.stop() == 0
+    took = time.monotonic() - started
+    assert RELEASE_WAIT_S <= took < RELEASE_WAIT_S + 10, took
+    log = fake_systemd.log.read_text()
+    assert log.count("has not let go of 1 arena") == 1 and "Traceback" not in log
+
+
+def test_a_load_stuck_in_the_driver_at_shutdown_holds_the_exit_for_the_bounded_wait_only(fake_systemd, tmp_path):
+    """A fill's worker that never comes back (here: held at a gate that never opens, as in a hung
+    driver call) would be joined at the interpreter's exit until systemd's stop timeout: the daemon
+    waits RELEASE_WAIT_S for its worker threads, says so in one line, and exits."""
+    from wcd.residency import RELEASE_WAIT_S
+
+    ckpt = tmp_path / "m"
+    write_model(ckpt, seed=1)
+    cfg = config(tmp_path, {"m": ckpt})
+    env, _ = gated_checks(tmp_path, GATE_FILLS_SITE)
+    fake_systemd.start(cfg, env=env)
+    with Client(fake_systemd.sock_path) as c:
+        [entry] = c.list()
+        assert entry["state"] == "loading"
+    started = time.monotonic()
+    assert fake_systemd.stop() == 0
+    took = time.monotonic() - started
+    assert RELEASE_WAIT_S <= took < RELEASE_WAIT_S + 10, took
+    log = fake_systemd.log.read_text()
+    assert log.count("worker threads still busy after") == 1 and "Traceback" not in log
