@@ -604,3 +604,34 @@ def test_a_reader_announced_one_span_and_asked_for_another_reads_the_other(cuda:
     finally:
         reader.close()
     assert g.staging._users == 0 and len(g.staging._free) == 1
+
+
+def test_on_an_exclusive_process_gpu_the_check_after_a_restart_takes_no_context(
+        cuda: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine attached across the restart may hold the GPU's only context: the check of a
+    re-adopted arena must not need one there (elsewhere it maps the arena under the staging's)."""
+    import os
+
+    mapped: list[int] = []
+
+    class Mapping:
+        def __init__(self, handle: Any, gpu: Any, size: int, writable: bool) -> None:
+            mapped.append(size)
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(cuda, "VaMapping", Mapping)
+    s = staging(cuda, 30)
+    arena = cuda.CudaArena(s.gpu, 4 << 20, object(), os.open(os.devnull, os.O_RDONLY), s, "t")
+    try:
+        cuda.state.exclusive = True
+        arena.check_adopted()
+        assert mapped == [] and cuda.state.contexts == 0 and not s.held
+        cuda.state.exclusive = False
+        arena.check_adopted()
+        assert mapped == [4 << 20] and s.held  # the staging's context, lingering as after a load
+        s.release()
+    finally:
+        os.close(arena.fd())
+        arena._fd = -1  # closed: its fake handle is not the driver's to release

@@ -887,7 +887,14 @@ class CudaArena(Arena):
         """An adopted allocation holds at least `size` bytes: no size query exists for a handle, and
         mapping `size` bytes fails if it is smaller. Mapping needs a context: the GPU's staging
         context (`Staging.open`), so the checks of every entry re-adopted on one GPU, and the loads
-        after them, create it once; it lingers like a load's."""
+        after them, create it once; it lingers like a load's.
+
+        Not on a GPU in exclusive-process compute mode: an engine that stayed attached across the
+        restart may hold its only context, and the daemon must not take it from engines reattaching
+        either. There the record's size stands (the daemon sealed that record itself, and only it
+        can put fds in its fd store); a short allocation would fail the engine's mapping instead."""
+        if exclusive_process(self._gpu):
+            return
         ctx = self._staging.open()
         try:
             with current(ctx):
