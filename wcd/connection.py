@@ -69,9 +69,18 @@ class _Closer:
                 self._pending[uid] += 1
             self._queue.put((fd, uid, foreign))
         if len(self._threads) < self.THREADS and not self._queue.empty():
-            thread = threading.Thread(target=self._run, name="wcd-close", daemon=True)
-            self._threads.append(thread)
-            thread.start()
+            self._start(len(self._threads) + 1)  # before `start_all` (see wcd.workers)
+
+    def start_all(self) -> None:
+        """Start all THREADS threads now (blocking; not from the loop)."""
+        self._start(self.THREADS)
+
+    def _start(self, upto: int) -> None:
+        with self._lock:
+            while len(self._threads) < upto:
+                thread = threading.Thread(target=self._run, name="wcd-close", daemon=True)
+                thread.start()
+                self._threads.append(thread)
 
     def pending(self, uid: int | None = None) -> int:
         with self._lock:
@@ -116,6 +125,11 @@ def discard(fds: Iterable[int], uid: int, foreign: bool = False) -> None:
 
     `foreign`: they came from a peer, which may have set SO_LINGER on them (turned off first)."""
     _closer.close(fds, uid, foreign)
+
+
+def start_closers() -> None:
+    """Start the threads that `discard` closes in (blocking; see wcd.workers)."""
+    _closer.start_all()
 
 
 # -- what peers may hold --------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from operator import itemgetter
 from typing import Protocol
 
 from wcd import key
-from wcd.arenas.base import Arena, ArenaReader, pread_into
+from wcd.arenas.base import Arena, ArenaReader, pread_into, scratch
 from wcd.checkpoint import BATCH_BYTES, Checkpoint, CopyOp
 from wcd.errors import LoadFailed
 from wcd.manifest import Manifest
@@ -190,16 +190,14 @@ class _FileBuffer:
     """One thread's reusable buffer for file bytes: preadv fills it, memcmp reads it by address."""
 
     def __init__(self) -> None:
-        self._array = (ctypes.c_char * 0)()
-        self.view = memoryview(self._array).cast("B")
+        self.view = scratch(0)
 
     def reserve(self, nbytes: int) -> int:
         """Make room for `nbytes`; returns the buffer's address (valid until the next `reserve`)."""
         if len(self.view) < nbytes:
             self.view.release()
-            self._array = (ctypes.c_char * nbytes)()
-            self.view = memoryview(self._array).cast("B")
-        return ctypes.addressof(self._array)
+            self.view = scratch(nbytes)
+        return _address(self.view) if nbytes else 0
 
 
 def _tasks(ranges: list[_Range]) -> list[list[_Piece]]:

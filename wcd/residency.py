@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterable
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -39,6 +39,7 @@ from wcd.loader import Cancelled, content_digest, default_workers, digest_arena,
 from wcd.manifest import Manifest
 from wcd.metrics import Metrics
 from wcd.state import ServerState
+from wcd.workers import Pool
 
 log = logging.getLogger("wcd")
 
@@ -101,8 +102,9 @@ class Residency:
         self._unchecked: list[tuple[Entry, parking.ParkedEntry, int]] = []
         self._superseded: set[str] = set()  # entries a reload evicted that had to finish first (`supersede`)
         self.hung = False  # `close` gave up waiting for the driver: the process must not wait for it either
-        self._digest_pool = ThreadPoolExecutor(state.config.daemon.digest_workers, thread_name_prefix="wcd-digest")
-        self._fill_pool = ThreadPoolExecutor(FILL_WORKERS, thread_name_prefix="wcd-fill")
+        self._digest_pool = Pool(state.config.daemon.digest_workers, "wcd-digest")
+        self._fill_pool = Pool(FILL_WORKERS, "wcd-fill")
+        self.pools = (self._digest_pool, self._fill_pool)
 
     # -- devices ----------------------------------------------------------------------------
 
@@ -617,7 +619,7 @@ class Residency:
         for _, _, fd in self._unchecked:  # adopted, never checked (start-up failed before READY)
             os.close(fd)
         self._unchecked = []
-        for pool in (self._digest_pool, self._fill_pool):
+        for pool in self.pools:
             pool.shutdown(wait=False, cancel_futures=True)
         arenas = [(e.name, e.arena) for e in self.cache.entries.values() if e.arena is not None]
         backends = loaded_backends()

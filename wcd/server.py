@@ -28,10 +28,10 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-from wcd import __version__, ops, protocol, systemd
+from wcd import __version__, ops, protocol, systemd, workers
 from wcd.cache import Cache
 from wcd.config import Config, format_progress, format_size, load_config
-from wcd.connection import Connection, Limits, Quotas
+from wcd.connection import Connection, Limits, Quotas, start_closers
 from wcd.errors import BadRequest, Busy, ConfigError, Internal, NotFound, PermissionDenied, WcdError
 from wcd.metrics import Metrics
 from wcd.metrics_http import MetricsHttp
@@ -71,6 +71,8 @@ class Server:
 
     async def startup(self) -> None:
         loop = asyncio.get_running_loop()
+        executor = workers.loop_executor()
+        loop.set_default_executor(executor)
         config = self._config
         began = time.monotonic()
         budgets, devices = device_budgets(config)
@@ -94,7 +96,7 @@ class Server:
         admitted = time.monotonic()
         address = config.daemon.metrics_address()
         if address is not None:
-            self.metrics_http = MetricsHttp(*address, metrics.render)
+            self.metrics_http = MetricsHttp(*address, metrics.text)
             await self.metrics_http.start()
         self._listen()
         log.info("wcd %s serving %s (devices: %s)", __version__, self.state.where, ", ".join(budgets))
@@ -106,6 +108,8 @@ class Server:
                  "?" if since_exec is None else f"{since_exec - (ready - began):.3f} s",
                  counted - began, admitted - counted, ready - admitted)
         self.residency.start_checks()
+        workers.start_all([executor.start_all, *(pool.start_all for pool in self.residency.pools),
+                           start_closers])
         self._spawn(self._report_status())
         self._spawn(self._warm_schemas())
         self._spawn(self._warm_metrics())

@@ -390,3 +390,49 @@ def test_a_huge_reserve_does_not_stall_the_loop(make_daemon):
         fill.abort()
     assert_fast(pings)
     assert took < 60
+
+
+# -- the loop starts no threads once the workers are up (wcd.workers) --------------------------
+
+STARTS_SITE = '''
+import sys, threading
+_start = threading.Thread.start
+def start(self):
+    if threading.current_thread() is threading.main_thread():
+        sys.stderr.write(f"thread started on the loop: {self.name}\\n")
+        sys.stderr.flush()
+    _start(self)
+threading.Thread.start = start
+'''
+
+
+def test_the_loop_starts_no_thread_once_the_workers_are_up(make_daemon, checkpoint, tmp_path, monkeypatch):
+    """`Thread.start` waits until the new thread has run: on the loop, behind two busy digest
+    threads on the 2-core CI machine, 19 ms of every connection's time. After READY the daemon
+    starts its pools' threads from a thread of its own; then a load, a publish and its digest,
+    verifies, leases and a peer's stray fds (closed off the loop) start none on the loop."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(STARTS_SITE)
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    d = make_daemon(f'\n[[models]]\nname = "m"\npath = "{checkpoint[0]}"\n')
+    wait_until(lambda: "worker threads started" in d.log.read_text())
+    assert "thread started on the loop: wcd-start" in d.log.read_text()  # the gate is in place
+    seen = len(d.log.read_text())
+    with d.client() as c:
+        with c.acquire("m") as lease:
+            assert lease.tensors
+        c.load("again", checkpoint[0])
+        name = c.publish(KEY, {"w": torch.ones(64 << 20, dtype=torch.uint8)})
+        for target in (name, "m", "again"):
+            assert c.verify(target)["match"]
+        peer = Raw(d.socket)
+        r, w = os.pipe()
+        peer.send(b"\0", [r, w])  # fds no frame claims: the daemon closes them in its closers
+        os.close(r)
+        os.close(w)
+        assert peer.last_words()["error"]["code"] == "protocol_error"
+        peer.close()
+        c.evict(name)
+    log = d.log.read_text()[seen:]
+    assert "thread started on the loop" not in log, log

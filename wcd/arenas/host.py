@@ -14,7 +14,7 @@ import os
 import threading
 import time
 
-from wcd.arenas.base import Arena, ArenaBackend, ArenaWriter, DeviceInfo, FileReader
+from wcd.arenas.base import Arena, ArenaBackend, ArenaWriter, DeviceInfo, FileReader, scratch
 from wcd.checkpoint import Run
 from wcd.errors import BadRequest, Busy, OutOfMemory
 from wcd.key import HOST_DEVICE
@@ -60,7 +60,7 @@ class HostWriter(ArenaWriter):
         pwrite puts it in place: two syscalls for a whole run of small tensors."""
         buf = getattr(self._local, "buf", None)
         if buf is None or len(buf) < nbytes:
-            buf = self._local.buf = memoryview(bytearray(max(nbytes, STAGING_BYTES)))
+            buf = self._local.buf = scratch(max(nbytes, STAGING_BYTES))
         views = [buf[at : at + width] for rel, width, stride, count in runs
                  for at in range(rel, rel + stride * count, stride)]
         got = os.preadv(fd, views, file_offset)
