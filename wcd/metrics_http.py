@@ -13,7 +13,7 @@ import errno
 import logging
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from wcd.errors import ConfigError
 
@@ -32,7 +32,7 @@ _SANDBOXED = (errno.EAFNOSUPPORT, errno.EPERM, errno.EACCES)
 class MetricsHttp:
     """One listening TCP socket answering `GET /metrics`. `await start()`, later `await stop()`."""
 
-    def __init__(self, host: str, port: int, render: Callable[[], str]) -> None:
+    def __init__(self, host: str, port: int, render: Callable[[], Awaitable[str]]) -> None:
         self.host, self.port = host, port
         self._render = render
         self._server: asyncio.AbstractServer | None = None
@@ -121,4 +121,4 @@ class MetricsHttp:
             return "404 Not Found", f"only {PATH} is served here\n".encode()
         if method != "GET":
             return "405 Method Not Allowed", b"only GET\n"
-        return "200 OK", self._render().encode()
+        return "200 OK", (await self._render()).encode()

@@ -19,7 +19,7 @@ import re
 import time
 import weakref
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -146,9 +146,18 @@ def evict(ctx: Context, conn: Connection, req: protocol.Evict) -> None:
     conn.send(protocol.ok(req.id, entry=entry.name, state="evicted" if dropped else entry.state,
                           leases=len(entry.leases)))
 
+def metrics(ctx: Context, conn: Connection, req: protocol.Metrics) -> Coroutine[Any, Any, None] | None:
+    """At once, once prometheus-client is imported; before (the first second after READY, when
+    `Server._warm_metrics` imports it) as a task that waits for the one import, in a thread, and
+    gets the rendering it shares with every request that waited with it (`Metrics.text`)."""
+    if ctx.metrics.warmed:
+        conn.send(protocol.ok(req.id, text=ctx.metrics.render()))
+        return None
+    return _metrics_later(ctx, conn, req)
 
-def metrics(ctx: Context, conn: Connection, req: protocol.Metrics) -> None:
-    conn.send(protocol.ok(req.id, text=ctx.metrics.render()))
+
+async def _metrics_later(ctx: Context, conn: Connection, req: protocol.Metrics) -> None:
+    conn.send(protocol.ok(req.id, text=await ctx.metrics.text()))
 
 
 # -- may wait (for a load, a thread, a digest): each runs as a task of its connection ---------
@@ -280,7 +289,8 @@ R = TypeVar("R")
 
 @dataclass(frozen=True)
 class Op(Generic[R]):
-    """An op's request schema and its handler; a coroutine handler runs as a task (`slow`)."""
+    """An op's request schema and its handler; a coroutine handler runs as a task (`slow`), and so
+    does the coroutine a quick handler returns when it cannot answer at once."""
 
     schema: type[R]
     handler: Callable[[Context, Connection, R], Any]
@@ -319,12 +329,13 @@ def dispatch(ctx: Context, conn: Connection, message: dict[str, Any]) -> None:
         if not conn.hello and req.op != "hello":
             raise BadRequest("the first request on a connection must be hello")
         spec = OPS[req.op]
-        if not spec.slow:
-            spec.handler(ctx, conn, req)
-        elif sum(not t.done() for t in conn.tasks) >= MAX_INFLIGHT:  # done ones leave at the next loop pass
-            raise Busy(f"more than {MAX_INFLIGHT} requests in flight on this connection")
-        else:
-            task = conn.loop.create_task(_run(ctx, conn, spec, req, started))
+        later = None if spec.slow else spec.handler(ctx, conn, req)  # a quick op may hand back what waits
+        if spec.slow or later is not None:
+            if sum(not t.done() for t in conn.tasks) >= MAX_INFLIGHT:  # done ones leave at the next loop pass
+                if later is not None:
+                    later.close()
+                raise Busy(f"more than {MAX_INFLIGHT} requests in flight on this connection")
+            task = conn.loop.create_task(_run(ctx, conn, later or spec.handler(ctx, conn, req), req, started))
             conn.tasks.add(task)
             task.add_done_callback(conn.tasks.discard)
             return
@@ -333,9 +344,9 @@ def dispatch(ctx: Context, conn: Connection, message: dict[str, Any]) -> None:
     ctx.metrics.observe(op, time.perf_counter() - started)
 
 
-async def _run(ctx: Context, conn: Connection, spec: Op[Any], req: Any, started: float) -> None:
+async def _run(ctx: Context, conn: Connection, work: Coroutine[Any, Any, None], req: Any, started: float) -> None:
     try:
-        await spec.handler(ctx, conn, req)
+        await work
     except Exception as e:
         _reply_failure(conn, req.id, req.op, e)
     ctx.metrics.observe(req.op, time.perf_counter() - started)

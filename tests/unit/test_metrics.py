@@ -30,3 +30,41 @@ def test_request_times_render_as_cumulative_buckets_with_their_sum() -> None:
     assert s['wcd_load_bytes_total{device="cpu"}'] == 150 and s['wcd_load_seconds_total{device="cpu"}'] == 0.75
     assert s['wcd_device_budget_bytes{device="cpu"}'] == 1 << 30  # the state's gauges are there too
     assert _samples(metrics.render())[ping % "+Inf"] == 3  # rendering twice counts nothing twice
+
+
+def test_scrapes_during_the_import_wait_for_it_off_the_loop_and_share_one_rendering(monkeypatch) -> None:
+    """Before `warm` has run, a scrape imports prometheus-client in a thread (not on the loop);
+    every scrape that arrives meanwhile waits for that one import and gets the same rendering."""
+    import asyncio
+    import threading
+    import time
+
+    state = ServerState(Config(), "test", Cache({"cpu": 1 << 30}, 30.0), {"cpu": "cpu"}, 0.0)
+    metrics = Metrics(state)
+    imports: list[str] = []
+    renders: list[str] = []
+    real_warm, real_render = Metrics.warm.__func__, metrics.render  # type: ignore[attr-defined]
+
+    def warm(cls: type[Metrics]) -> None:
+        imports.append(threading.current_thread().name)
+        time.sleep(0.05)
+        real_warm(cls)
+
+    def render() -> str:
+        renders.append(threading.current_thread().name)
+        return real_render()
+
+    monkeypatch.setattr(Metrics, "_warmed", False)
+    monkeypatch.setattr(Metrics, "warm", classmethod(warm))
+    monkeypatch.setattr(metrics, "render", render)
+
+    async def scrapes() -> list[str]:
+        assert not metrics.warmed
+        return await asyncio.gather(*(metrics.text() for _ in range(50)))
+
+    texts = asyncio.run(scrapes())
+    assert len(imports) == 1 and imports[0] != threading.main_thread().name
+    assert len(renders) == 1 and len(set(texts)) == 1 and "wcd_device_budget_bytes" in texts[0]
+    assert metrics.warmed
+    asyncio.run(metrics.text())
+    assert len(imports) == 1 and len(renders) == 2  # once imported, each scrape renders (at once)

@@ -77,6 +77,28 @@ def test_malformed_requests_get_error_replies() -> None:
     assert "wcd_request_duration_seconds_count{op=\"release\"} 1.0" in ctx.metrics.render()
 
 
+def test_metrics_before_the_import_are_answered_by_a_task_and_bounded_per_connection(monkeypatch) -> None:
+    """Until prometheus-client is imported, `metrics` hands back a coroutine that dispatch runs as a
+    task of the connection (counted in its MAX_INFLIGHT); after, it answers at once."""
+    monkeypatch.setattr(Metrics, "_warmed", False)
+
+    async def scrape() -> None:
+        ctx, conn = make_context(), FakeConnection()
+        conn.hello = True
+        conn.loop = asyncio.get_running_loop()  # type: ignore[attr-defined]
+        for i in range(ops.MAX_INFLIGHT + 1):
+            ops.dispatch(ctx, conn, {"op": "metrics", "id": i})
+        assert [m["error"]["code"] for m, _ in conn.sent] == ["busy"]  # the one past MAX_INFLIGHT
+        await asyncio.gather(*conn.tasks)
+        texts = {m["text"] for m, _ in conn.sent[1:]}
+        assert len(conn.sent) == ops.MAX_INFLIGHT + 1 and len(texts) == 1
+        ops.dispatch(ctx, conn, {"op": "metrics", "id": 99})
+        assert conn.sent[-1][0]["id"] == 99 and "wcd_device_budget_bytes" in conn.sent[-1][0]["text"]
+
+    asyncio.run(scrape())
+    assert Metrics._warmed
+
+
 def test_the_rooms_import_neither_the_server_nor_torch() -> None:
     code = ("import sys, wcd.metrics, wcd.state, wcd.residency, wcd.ops, wcd.connection; "
             "print(sorted(m for m in sys.modules if m in ('torch', 'wcd.server')))")
