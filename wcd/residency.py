@@ -44,6 +44,10 @@ from wcd.workers import Pool
 log = logging.getLogger("wcd")
 
 DEFAULT_BUDGET = {"cpu": "50%", "cuda": "90%"}
+# A check of a re-adopted arena that fails for want of memory or in the driver, not because the
+# arena or its checkpoint differ from the record, is tried again after each of these waits before
+# the entry is dropped (and its copy taken out of the fd store): an engine may be freeing memory.
+CHECK_RETRY_S = (1.0, 2.0, 4.0, 8.0, 16.0)
 FILL_WORKERS = 4  # loads filling at once; each runs `load_workers` reader threads of its own
 Spawn = Callable[[Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]
 T = TypeVar("T")
@@ -180,6 +184,20 @@ class Residency:
         daemon = self.state.config.daemon
         backend.configure(daemon.staging_linger_s, direct_reads=daemon.cold_reads == "direct")
         return backend
+
+    def warm_backends(self) -> None:
+        """Import the GPU backend (cuda-bindings: 18-25 ms holding the GIL on the H200 hosts) now,
+        blocking, from the thread that starts the workers after READY: the first GPU request does
+        not wait for it, and an install that is present but broken says so in one line at start-up
+        (before READY the daemon only checks that cuda-bindings is installed)."""
+        device = next((d for d in self.cache.budgets if is_gpu_device(d)), None)
+        if device is None:
+            return
+        try:
+            self._backend(device)
+        except Exception as e:  # noqa: BLE001 - said once here; each GPU request says it again
+            why = e.message if isinstance(e, WcdError) else f"cannot import cuda-bindings ({type(e).__name__}: {e})"
+            log.error("GPU arenas are unavailable: %s; every GPU request fails until that is fixed", why)
 
     def _prepare(self, device: str) -> None:
         """Start getting `device` ready (a GPU's context and pinned staging) while the checkpoint's
@@ -533,9 +551,8 @@ class Residency:
             entry.arena = arena
             manifest = await asyncio.to_thread(rec.manifest)
             notes = await asyncio.to_thread(self._refingerprint, rec) if rec.origin != "publish" else []
-            if gone():
+            if gone() or not await self._check_arena(entry, arena, gone):
                 return
-            await self._using(None, arena, lambda arena: arena.check_adopted())
         except Exception as e:  # noqa: BLE001 - whatever went wrong, the entry must not stay unchecked
             if gone():
                 return
@@ -555,6 +572,31 @@ class Residency:
         self._set_ready(entry)
         log.info("adopted %s from systemd's fd store (%s on %s, no disk read)%s", entry.name,
                  format_size(entry.nbytes), entry.device, f"; {entry.notes[0]}" if entry.notes else "")
+
+    async def _check_arena(self, entry: Entry, arena: Arena, gone: Callable[[], bool]) -> bool:
+        """The backend's check of a re-adopted arena (`Arena.check_adopted`), tried again after each
+        CHECK_RETRY_S wait while it fails with a `WcdError` other than `BadRequest` (which says the
+        arena is not what its record says): no GPU memory for a context, or a driver error, is the
+        GPU's state of the moment. False if the entry was dropped meanwhile; an entry evicted
+        meanwhile is not checked again (its caller drops it)."""
+        for wait_s in (*CHECK_RETRY_S, None):
+            try:
+                await self._using(None, arena, lambda arena: arena.check_adopted())
+                return True
+            except BadRequest:
+                raise
+            except WcdError as e:
+                if wait_s is None or gone():
+                    raise
+                log.warning("fd store: cannot check %s yet (%s): it stays kept, and is checked again in %g s",
+                            entry.name, e.message, wait_s)
+                entry.notes = [f"{ADOPTING_NOTE}; checked again in {wait_s:g} s ({e.message})"]
+            await asyncio.sleep(wait_s)
+            if gone():
+                return False
+            if entry.state == "evicting":
+                return True
+        return True  # not reached: the last attempt returns or raises
 
     async def _open_adopted(self, entry: Entry, rec: parking.ParkedEntry, fd: int) -> Arena:
         """The arena of a re-adopted entry, opened by its backend in a worker; `fd` is the arena's

@@ -16,7 +16,7 @@ from wcd import residency
 from wcd.arenas.base import Arena
 from wcd.cache import Cache
 from wcd.config import Config
-from wcd.errors import DeviceUnavailable
+from wcd.errors import BadRequest, DeviceUnavailable, Internal, OutOfMemory
 from wcd.key import WeightCacheKey
 from wcd.manifest import Manifest
 from wcd.metrics import Metrics
@@ -211,3 +211,75 @@ def test_an_acquire_after_a_reload_changed_an_entry_still_being_checked_waits_fo
         return time.monotonic() - started
 
     assert asyncio.run(main()) >= 0.25  # it waited for the check
+
+
+class FlakyArena(FakeArena):
+    """An arena whose check fails `failures` times with `error` first (no memory for a context, say)."""
+
+    failures = 0
+    error: Exception = OutOfMemory("cuda:0: out of memory for the staging context")
+    checks = 0
+
+    def check_adopted(self) -> None:
+        type(self).checks += 1
+        if type(self).checks <= self.failures:
+            raise self.error
+
+
+class FlakyBackend(FakeBackend):
+    def adopt(self, fd: int, device: str, size: int, label: str) -> FakeArena:
+        self.arena = FlakyArena(fd, size)
+        return self.arena
+
+
+@pytest.mark.parametrize(("failures", "error", "kept"), [
+    (2, OutOfMemory("cuda:0: out of memory for the staging context"), True),  # then the GPU had room
+    (len(residency.CHECK_RETRY_S) + 1, Internal("cuMemMap: CUDA_ERROR_UNKNOWN"), False),  # it never did
+    (1, BadRequest("m: the arena is smaller than the 4096 bytes its record says"), False),  # not the GPU's state
+])
+def test_a_check_that_fails_for_want_of_memory_is_tried_again_before_the_copy_is_dropped(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, failures: int, error: Exception,
+        kept: bool) -> None:
+    """Dropping the entry also takes its copy out of systemd's fd store for good: a check that failed
+    because the GPU had no memory for a context at that moment is tried again, CHECK_RETRY_S apart."""
+    monkeypatch.setattr(FlakyArena, "failures", failures)
+    monkeypatch.setattr(FlakyArena, "error", error)
+    monkeypatch.setattr(FlakyArena, "checks", 0)
+    monkeypatch.setattr(residency, "backend_for", lambda device: FlakyBackend())
+    monkeypatch.setattr(residency, "CHECK_RETRY_S", (0.01,) * len(residency.CHECK_RETRY_S))
+    unstored: list[str] = []
+    monkeypatch.setattr(residency, "_unstore", unstored.append)
+    caplog.set_level(logging.WARNING, logger="wcd")
+
+    async def main() -> None:
+        res = make()
+        rec = Rec("m", WeightCacheKey(model="m"))
+        entry = res._adopt(rec)
+        await res._check_adopted(entry, rec, arena_fd())
+        if kept:
+            assert res.cache.entries["m"].state == "ready" and unstored == []
+            assert FlakyArena.checks == failures + 1
+        else:
+            assert "m" not in res.cache.entries and unstored  # dropped, and out of the fd store
+            assert FlakyArena.checks == (1 if isinstance(error, BadRequest) else len(residency.CHECK_RETRY_S) + 1)
+
+    asyncio.run(main())
+    lines = [r.getMessage() for r in caplog.records]
+    assert all("Traceback" not in line for line in lines)
+    assert sum("checked again" in line for line in lines) == (0 if isinstance(error, BadRequest)
+                                                                else min(failures, len(residency.CHECK_RETRY_S)))
+
+
+def test_a_broken_cuda_bindings_is_one_line_once_the_daemon_serves(monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Start-up only checks that cuda-bindings is installed; the thread that starts the workers after
+    READY imports it, and an install that is there but broken says so then, in one line."""
+    def broken(device: str) -> Any:
+        raise ImportError("libnvrtc.so.12: cannot open shared object file")
+
+    monkeypatch.setattr(residency, "backend_for", broken)
+    caplog.set_level(logging.INFO, logger="wcd")
+    state = ServerState(Config(), "t", Cache({"cpu": 1 << 30, "GPU-1": 1 << 30}, 30.0), {"cpu": "cpu"}, 0.0)
+    Residency(state, Metrics(state), lambda c: None).warm_backends()
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "GPU arenas are unavailable: cannot import cuda-bindings (ImportError: libnvrtc.so.12" in line
