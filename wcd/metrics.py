@@ -71,6 +71,7 @@ class Metrics:
     def warm(cls) -> None:
         """Import prometheus-client now (blocking: from a thread), so that no scrape pays for it on the loop."""
         import prometheus_client  # noqa: F401
+        import prometheus_client.core  # noqa: F401 - the collectors' (not imported by the package itself)
 
         cls._warmed = True
 
