@@ -95,7 +95,9 @@ class Residency:
         self.cache = state.cache
         self._metrics = metrics
         self._spawn = spawn
-        self._ready: dict[str, asyncio.Event] = {}  # entry name -> set when it leaves loading/filling
+        # Per entry (not per name: a name may come back as another entry while an old task still
+        # runs), set when it leaves loading/filling:
+        self._ready: dict[Entry, asyncio.Event] = {}
         # Published entries: the digest verify compares against, and what it was taken at.
         self._digests: dict[str, tuple[asyncio.Future[Digests], str]] = {}
         self._verifying: dict[Entry, asyncio.Future[Verification]] = {}  # shared by requests
@@ -104,7 +106,7 @@ class Residency:
         self._parked: set[str] = set()  # entries whose fds sit in the fd store
         # Adopted before READY, with their arena fds: `start_checks` opens and checks them after.
         self._unchecked: list[tuple[Entry, parking.ParkedEntry, int]] = []
-        self._superseded: set[str] = set()  # entries a reload evicted that had to finish first (`supersede`)
+        self._superseded: set[Entry] = set()  # entries a reload evicted that had to finish first (`supersede`)
         self.hung = False  # `close` gave up waiting for the driver: the process must not wait for it either
         self._digest_pool = Pool(state.config.daemon.digest_workers, "wcd-digest")
         self._fill_pool = Pool(FILL_WORKERS, "wcd-fill")
@@ -174,7 +176,7 @@ class Residency:
             ckpt.close()
             raise
         self.reclaim(victims)
-        self._ready[name] = asyncio.Event()
+        self._ready[entry] = asyncio.Event()
         self._checkpoints[name] = ckpt
         return entry
 
@@ -259,7 +261,7 @@ class Residency:
 
     async def wait_ready(self, entry: Entry, timeout: float) -> Entry:
         """Wait until `entry` leaves loading/filling; `Busy` after `timeout`, `NotFound` if it went away."""
-        event = self._ready.get(entry.name)
+        event = self._ready.get(entry)
         if event is not None:
             try:
                 await asyncio.wait_for(event.wait(), timeout)
@@ -272,10 +274,10 @@ class Residency:
     def still_loading(self, entry: Entry) -> bool:
         """Whether `entry`'s fill, or its check after a restart, has not ended yet (it may be
         evicting meanwhile: `supersede`)."""
-        return entry.name in self._ready and self.cache.entries.get(entry.name) is entry
+        return entry in self._ready and self.cache.entries.get(entry.name) is entry
 
     def _set_ready(self, entry: Entry) -> None:
-        event = self._ready.pop(entry.name, None)
+        event = self._ready.pop(entry, None)
         if event is not None:
             event.set()
         self._park(entry)
@@ -290,7 +292,7 @@ class Residency:
         entry, lease, victims = self.cache.reserve(
             name, key, manifest, backend.arena_size(manifest.size, key.device), retention, owner, pid, uid)
         self.reclaim(victims)
-        self._ready[name] = asyncio.Event()
+        self._ready[entry] = asyncio.Event()
         try:
             arena = await self._create(backend, key.device, entry.nbytes, name)
         except BaseException:
@@ -409,7 +411,11 @@ class Residency:
     def reclaim(self, entries: Iterable[Entry]) -> None:
         """Entries the cache dropped: close their arenas (memory returns once clients unmap)."""
         for entry in entries:
-            self._superseded.discard(entry.name)
+            if entry in self._superseded:  # a reload changed its model while it was leased: load that now
+                self._superseded.discard(entry)
+                model = next((m for m in self.state.config.models if m.name == entry.name), None)
+                if model is not None:
+                    self._spawn(self.admit_configured(model))
             if entry.name in self._parked:
                 self._parked.discard(entry.name)
                 for name in parking.fd_names(entry.key):
@@ -421,7 +427,7 @@ class Residency:
             ckpt = self._checkpoints.pop(entry.name, None)
             if ckpt is not None:
                 ckpt.close()
-            event = self._ready.pop(entry.name, None)
+            event = self._ready.pop(entry, None)
             if event is not None:
                 event.set()
             log.info("reclaimed %s (%s on %s)", entry.name, format_size(entry.nbytes), entry.device)
@@ -434,11 +440,12 @@ class Residency:
 
     def supersede(self, entry: Entry) -> None:
         """A reload removed or changed `entry`'s configured model: evict it, now or once its leases
-        end. One still loading (a fill, or the check of an entry re-adopted after a restart) keeps
-        its name until that ends, so nothing loads the model beside it; then the config of that
-        time has its model admitted as the entry goes (`_drop_loading`), with no other reload."""
+        end. One still loading (a fill, or the check of an entry re-adopted after a restart) or
+        still leased keeps its name until that ends, so nothing loads the model beside it; then the
+        config of that time has its model admitted as the entry goes (`_drop_loading`, `reclaim`),
+        with no other reload."""
         if not self.evict(entry):
-            self._superseded.add(entry.name)
+            self._superseded.add(entry)
 
     def cancel_loads(self) -> None:
         """Shutdown: stop every load at its next chunk, and load nothing in place of what goes."""
@@ -521,7 +528,7 @@ class Residency:
                                           adopted=True)
         self.reclaim(victims)
         entry.notes = [ADOPTING_NOTE]
-        self._ready[entry.name] = asyncio.Event()
+        self._ready[entry] = asyncio.Event()
         self._parked.add(entry.name)  # systemd still holds the fds: never store them twice
         return entry
 
@@ -623,8 +630,8 @@ class Residency:
         (`wcd.ops.acquire`): if a reload changed the model meanwhile (`supersede`), or if
         `failed_check` (a re-adopted entry of a configured model, not evicted meanwhile).
         Returns whether the model was loaded again."""
-        superseded = entry.name in self._superseded
-        self._superseded.discard(entry.name)
+        superseded = entry in self._superseded
+        self._superseded.discard(entry)
         model = next((m for m in self.state.config.models if m.name == entry.name), None)
         try:
             if model is not None and (superseded or (failed_check and entry.origin == "config"

@@ -148,7 +148,8 @@ class Server:
 
     async def reload(self) -> None:
         """SIGHUP: re-read the config; load new models, evict removed or changed ones once unleased.
-        A changed one still loading or being checked is replaced when that ends (`Residency.supersede`)."""
+        A changed one still leased, loading or being checked is loaded per the new config when that
+        ends (`Residency.supersede`)."""
         self._notify("reloading", "reloading configuration")
         cache, current = self.state.cache, self.state.config
         try:

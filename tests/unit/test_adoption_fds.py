@@ -16,7 +16,7 @@ from wcd import residency
 from wcd.arenas.base import Arena
 from wcd.cache import Cache
 from wcd.config import Config
-from wcd.errors import BadRequest, DeviceUnavailable, Internal, OutOfMemory
+from wcd.errors import BadRequest, DeviceUnavailable, Internal, NotFound, OutOfMemory
 from wcd.key import WeightCacheKey
 from wcd.manifest import Manifest
 from wcd.metrics import Metrics
@@ -283,3 +283,31 @@ def test_a_broken_cuda_bindings_is_one_line_once_the_daemon_serves(monkeypatch: 
     Residency(state, Metrics(state), lambda c: None).warm_backends()
     [line] = [r.getMessage() for r in caplog.records]
     assert "GPU arenas are unavailable: cannot import cuda-bindings (ImportError: libnvrtc.so.12" in line
+
+
+def test_an_old_entrys_end_does_not_take_the_reload_flag_of_a_new_entry_of_its_name(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Entry 1 of "m" is dropped while its task still runs; entry 2 of "m" comes, and a reload
+    supersedes it while it loads. When entry 1's task ends (`_drop_loading`), entry 2 must still be
+    replaced per the new config when it ends, and still be waited for: both are kept per entry."""
+    monkeypatch.setattr(residency, "_unstore", lambda name: None)
+
+    async def main() -> None:
+        res = make()
+        first = res._adopt(Rec("m", WeightCacheKey(model="m")))
+        res.evict(first)
+        res.evict(first)  # dropped now; its check (say) still runs
+        assert "m" not in res.cache.entries
+        second = res._adopt(Rec("m", WeightCacheKey(model="m")))
+        res.supersede(second)  # a reload changed "m" while the new entry loads
+        await res._drop_loading(first)  # the old task ends
+        assert second in res._superseded and res.still_loading(second)
+        waiter = asyncio.ensure_future(res.wait_ready(second, 5))
+        await asyncio.sleep(0.01)
+        assert not waiter.done()  # woken by the new entry's end only
+        await res._drop_loading(second)
+        assert second not in res._superseded and "m" not in res.cache.entries
+        with pytest.raises(NotFound):
+            await waiter
+
+    asyncio.run(main())
