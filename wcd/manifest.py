@@ -331,7 +331,10 @@ class Manifest:
         names, codes, shapes, numels, ids = _tensor_columns(obj)
         if _has_control(obj["names"], nul_ok=True):
             _check_name(next(n for n in names if _CONTROL_CHAR.search(n)))
-        sizes = list(map(mul, map(numels.__getitem__, ids), map(ITEMSIZES.__getitem__, codes)))
+        sizes: list[int] = []
+        for i in range(0, len(codes), STEP):  # in steps, as `_tensor_columns` checks
+            part_ids, part_codes = ids[i : i + STEP], codes[i : i + STEP]
+            sizes += map(mul, map(numels.__getitem__, part_ids), map(ITEMSIZES.__getitem__, part_codes))
         return cls._laid_out(names, codes, tuple(shapes), ids, sizes)
 
     @classmethod
@@ -420,6 +423,26 @@ _COLUMNS = ("dtypes", "shape_ndims", "shape_dims", "shape_ids", "offsets", "runs
 TENSOR_COLUMNS = ("names", "dtypes", "shape_ndims", "shape_dims", "shape_ids")
 
 
+# A peer's columns are checked STEP names per C-level pass: the reserve's worker holds the GIL for
+# each pass, and the loop waits for the GIL as long as the longest (a split of 100,000 names in one
+# call: 13 ms on the VM; MAX_TENSORS of long names, ten times that).
+STEP = 16_384
+
+
+def _split(joined: str, sep: str) -> list[str]:
+    """`joined.split(sep)` (a one-character `sep`) in pieces of about STEP * 64 characters: a cut at
+    a separator splits into the same strings."""
+    out: list[str] = []
+    start, size = 0, STEP * 64
+    while True:
+        cut = joined.find(sep, start + size) if start + size < len(joined) else -1
+        if cut < 0:
+            out += joined[start:].split(sep)
+            return out
+        out += joined[start:cut].split(sep)
+        start = cut + 1
+
+
 def _tensor_columns(obj: dict[str, Any]) -> tuple[tuple[str, ...], bytes, list[tuple[int, ...]], list[int], array[int]]:
     """Names, dtype codes, distinct shapes, their element counts and each tensor's shape index,
     from untrusted columns, checked in bulk (one Python step per distinct shape, not per tensor)."""
@@ -429,13 +452,16 @@ def _tensor_columns(obj: dict[str, Any]) -> tuple[tuple[str, ...], bytes, list[t
         raise BadRequest(f"tensor count {n} out of range (max {MAX_TENSORS})")
     if len(ids_b) != 4 * n or len(ndims) > max(n, 1) or len(dims_b) != 8 * sum(ndims):
         raise BadRequest(f"manifest columns do not agree on {n} tensors")
-    names = tuple(joined.split("\0")) if n else ()
+    names = tuple(_split(joined, "\0")) if n else ()
     if len(names) != n or (joined and not n):
         raise BadRequest(f"manifest names do not agree on {n} tensors")
     if n and (not joined or "\0\0" in joined or joined[0] == "\0" or joined[-1] == "\0"
-              or max(map(len, names)) > MAX_NAME_LEN):
+              or max(max(map(len, names[i : i + STEP])) for i in range(0, n, STEP)) > MAX_NAME_LEN):
         _check_name(next(s for s in names if not s or len(s) > MAX_NAME_LEN))
-    if len(set(names)) != n:
+    distinct: set[str] = set()
+    for i in range(0, n, STEP):
+        distinct.update(names[i : i + STEP])
+    if len(distinct) != n:
         seen: set[str] = set()
         dup = next(s for s in names if s in seen or seen.add(s))  # type: ignore[func-returns-value]
         raise BadRequest(f"tensor {dup!r} appears twice", {"tensor": dup})
