@@ -76,11 +76,12 @@ class _Closer:
         self._start(self.THREADS)
 
     def _start(self, upto: int) -> None:
-        with self._lock:
-            while len(self._threads) < upto:
-                thread = threading.Thread(target=self._run, name="wcd-close", daemon=True)
-                thread.start()
-                self._threads.append(thread)
+        with self._lock:  # not held across the starts: the loop takes it on every accept and discard
+            threads = [threading.Thread(target=self._run, name="wcd-close", daemon=True)
+                       for _ in range(upto - len(self._threads))]
+            self._threads += threads
+        for thread in threads:
+            thread.start()
 
     def pending(self, uid: int | None = None) -> int:
         with self._lock:

@@ -26,7 +26,7 @@ from typing import Any, Generic, TypeVar
 
 from wcd import __version__, protocol
 from wcd.arenas import backend_for
-from wcd.cache import Lease
+from wcd.cache import Entry, Lease
 from wcd.config import format_size, peer_gids
 from wcd.connection import Connection
 from wcd.errors import BadRequest, Busy, Internal, NotFound, PermissionDenied, UnsupportedVersion, WcdError
@@ -163,10 +163,22 @@ async def _metrics_later(ctx: Context, conn: Connection, req: protocol.Metrics) 
 # -- may wait (for a load, a thread, a digest): each runs as a task of its connection ---------
 
 
+async def _find(ctx: Context, target: str | WeightCacheKey, wait: bool, deadline: float) -> Entry:
+    """`cache.find`; a name whose configured model is being admitted (after a reload, or once the
+    leases of the entry a reload changed end) is waited for when the client waits."""
+    try:
+        return ctx.state.cache.find(target)
+    except NotFound:
+        if not (wait and isinstance(target, str)
+                and await ctx.residency.admission(target, max(0.0, deadline - time.monotonic()))):
+            raise
+    return ctx.state.cache.find(target)
+
+
 async def acquire(ctx: Context, conn: Connection, req: protocol.Acquire) -> None:
     target = ctx.residency.resolve(req.target())
-    entry = ctx.state.cache.find(target)
     deadline = time.monotonic() + req.timeout_s
+    entry = await _find(ctx, target, req.wait, deadline)
     # Evicting but still loading (a reload changed it during its fill or check): wait for that to
     # end, as for a load; the model of the new config is then admitted under its name.
     while entry.state in ("loading", "filling") or ctx.residency.still_loading(entry):
@@ -177,7 +189,9 @@ async def acquire(ctx: Context, conn: Connection, req: protocol.Acquire) -> None
         except NotFound:
             # An entry re-adopted after a restart that failed its check is loaded again from disk
             # under its name before its waiters wake: wait for that load, if it is what was asked for.
-            if ctx.state.cache.entries.get(entry.name) in (None, entry):
+            current = ctx.state.cache.entries.get(entry.name)
+            if current is entry or (current is None and not await ctx.residency.admission(
+                    entry.name, max(0.0, deadline - time.monotonic()))):
                 raise
             entry = ctx.state.cache.find(target)
     if not entry.manifest.wire_ready(conn.version):  # once per entry and version: 10^5 tensors take a while

@@ -106,6 +106,7 @@ class Residency:
         self._parked: set[str] = set()  # entries whose fds sit in the fd store
         # Adopted before READY, with their arena fds: `start_checks` opens and checks them after.
         self._unchecked: list[tuple[Entry, parking.ParkedEntry, int]] = []
+        self._admitting: dict[str, asyncio.Event] = {}  # configured models being admitted, set when that ends
         self._superseded: set[Entry] = set()  # entries a reload evicted that had to finish first (`supersede`)
         self.hung = False  # `close` gave up waiting for the driver: the process must not wait for it either
         self._digest_pool = Pool(state.config.daemon.digest_workers, "wcd-digest")
@@ -141,15 +142,38 @@ class Residency:
     async def admit_configured(self, model: ModelConfig, replacing: Entry | None = None) -> None:
         """Admit a configured model and start filling it in the background; failures are logged.
         `replacing`: the entry of that name, which goes when this one is admitted (`admit_load`)."""
-        if self.cache.entries.get(model.name) not in (None, replacing):
-            return  # adopted from the fd store, or still leased after a reload changed it
+        if self.cache.entries.get(model.name) not in (None, replacing) or model.name in self._admitting:
+            return  # adopted from the fd store, still leased after a reload changed it, or on its way
+        await self._admit_configured(model, replacing, self._admitting.setdefault(model.name, asyncio.Event()))
+
+    def admit_later(self, model: ModelConfig) -> None:
+        """`admit_configured` in the background, counted as under way from now: an acquire of the
+        name that comes before the task runs waits for it (`admission`) instead of not finding it."""
+        if model.name in self._admitting or model.name in self.cache.entries:
+            return
+        self._spawn(self._admit_configured(model, None, self._admitting.setdefault(model.name, asyncio.Event())))
+
+    async def _admit_configured(self, model: ModelConfig, replacing: Entry | None, done: asyncio.Event) -> None:
         try:
             entry = await self.admit_load(model.name, model.path, model.device, model.retention, "config",
                                           model.follow_symlinks, replacing)
         except WcdError as e:
             log.error("cannot load %s: %s", model.name, e.message)
             return
+        finally:
+            self._admitting.pop(model.name, None)
+            done.set()
         self.start_fill(entry)
+
+    async def admission(self, name: str, timeout: float) -> bool:
+        """Wait (at most `timeout` s) until a configured model of that name being admitted (its
+        headers read) is in the cache or failed; whether one was under way."""
+        done = self._admitting.get(name)
+        if done is None:
+            return False
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(done.wait(), timeout)
+        return True
 
     async def admit_load(self, name: str, path: Path, device: str, retention: Retention, origin: Origin,
                          follow_links: bool = False, replacing: Entry | None = None) -> Entry:
@@ -415,7 +439,7 @@ class Residency:
                 self._superseded.discard(entry)
                 model = next((m for m in self.state.config.models if m.name == entry.name), None)
                 if model is not None:
-                    self._spawn(self.admit_configured(model))
+                    self.admit_later(model)
             if entry.name in self._parked:
                 self._parked.discard(entry.name)
                 for name in parking.fd_names(entry.key):

@@ -3,45 +3,128 @@
 `ThreadPoolExecutor` starts a thread on a submit that finds none idle, and `Thread.start` waits
 until the new thread has run once. On a busy host that wait is the scheduler's to decide: on the
 2-core CI machine, with two digest threads hashing, a `Thread.start` from the loop took up to
-19 ms (10 ms for a bare start beside two busy threads), a stall of every connection. So each pool
-the loop submits to is a `Pool`, and `start_all` brings all their threads up at once, from a thread
-of its own, once READY is sent (`Server.startup`); before then, and for a pool that shrank, the
-pool still starts what it lacks on the submit, as ThreadPoolExecutor does.
+19 ms (a bare start beside two busy threads: p90 3.4 ms, up to 9.3), a stall of every connection.
+So each pool the loop submits to is a `Pool`, whose `start_all` brings its missing threads up from
+a thread of its own once READY is sent (`Server.startup`); before that a submit that finds no
+thread idle starts one, as ThreadPoolExecutor does.
+
+A `Pool` is a ThreadPoolExecutor by type only (asyncio's `set_default_executor` requires one):
+it queues and runs work itself, because ThreadPoolExecutor can be made to start a thread only by
+handing it work, and work that waits for the others to start holds back the real work queued
+behind it (a fill's fallocate holding one thread kept a `to_thread` waiting 2.45 s).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
+import weakref
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 log = logging.getLogger("wcd")
 
-START_WAIT_S = 5.0  # how long a pool's threads wait for each other at `start_all`
+_Work = tuple[Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+_queues: weakref.WeakSet[queue.SimpleQueue[Any]] = weakref.WeakSet()  # of every pool with threads
 
 
 class Pool(ThreadPoolExecutor):
     def __init__(self, workers: int, name: str) -> None:
-        super().__init__(workers, thread_name_prefix=name)
-        self.workers = workers
+        super().__init__(workers, thread_name_prefix=name)  # its own queue and threads stay unused
+        self.workers, self._name = workers, name
+        self._work: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._started: list[threading.Thread] = []
+        self._idle = 0  # threads waiting for work that no submit has counted on yet
+        self._closed = False
+        _queues.add(self._work)
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            self._work.put((future, fn, args, kwargs))
+            thread = None
+            if self._idle:
+                self._idle -= 1
+            elif len(self._started) < self.workers:
+                thread = self._new_thread()
+        if thread is not None:
+            thread.start()
+        return future
 
     def start_all(self) -> None:
-        """Start every thread now (blocking; not from the loop, nor from one of this pool's own
-        threads). Tasks that each wait until all have started make the pool start one thread per
-        submit; a pool busy with real work meanwhile may reuse a thread instead, and the wait
-        then ends at START_WAIT_S with fewer threads started, which only costs a later start."""
-        meet = threading.Barrier(self.workers)
+        """Start the threads not started yet (blocking: not from the loop). They begin idle."""
+        with self._lock:
+            if self._closed:
+                return
+            threads = [self._new_thread() for _ in range(self.workers - len(self._started))]
+            self._idle += len(threads)
+        for thread in threads:
+            thread.start()
 
-        def started() -> None:
-            try:
-                meet.wait(START_WAIT_S)
-            except threading.BrokenBarrierError:
-                pass
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._lock:
+            self._closed = True
+            threads = list(self._started)
+            if cancel_futures:
+                while True:
+                    try:
+                        work = self._work.get_nowait()
+                    except queue.Empty:
+                        break
+                    if work is not None:
+                        work[0].cancel()
+            self._work.put(None)  # each thread passes it on as it ends
+        super().shutdown(wait=False)
+        if wait:
+            for thread in threads:
+                thread.join()
 
-        for future in [self.submit(started) for _ in range(self.workers)]:
-            future.result()
+    def _new_thread(self) -> threading.Thread:  # under the lock; started by the caller
+        # The thread holds the pool weakly, as ThreadPoolExecutor's do: a pool nobody shut down
+        # ends its threads when it is collected, and at the interpreter's exit (`_wake_at_exit`).
+        work = self._work
+        thread = threading.Thread(target=_run, args=(weakref.ref(self, lambda _: work.put(None)), work),
+                                  name=f"{self._name}_{len(self._started)}")
+        self._started.append(thread)
+        return thread
+
+
+def _run(pool_ref: weakref.ref[Pool], work_queue: queue.SimpleQueue[_Work | None]) -> None:
+    while (work := work_queue.get()) is not None:
+        _call(*work)
+        del work  # nothing of it outlives its call
+        pool = pool_ref()
+        if pool is None:
+            return
+        with pool._lock:
+            pool._idle += 1
+        del pool
+    work_queue.put(None)  # for the next thread
+
+
+def _call(future: Future[Any], fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    if future.set_running_or_notify_cancel():
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - the future's, as in ThreadPoolExecutor
+            future.set_exception(e)
+        else:
+            future.set_result(result)
+
+
+def _wake_at_exit() -> None:
+    """Before the interpreter joins its threads at exit (as concurrent.futures does for its own)."""
+    for work_queue in list(_queues):
+        work_queue.put(None)
+
+
+threading._register_atexit(_wake_at_exit)  # type: ignore[attr-defined]
 
 
 def loop_executor() -> Pool:
@@ -50,14 +133,14 @@ def loop_executor() -> Pool:
 
 
 def start_all(starters: Iterable[Callable[[], None]]) -> None:
-    """Run each pool's `start_all` in a thread of its own; the loop is not waited on."""
+    """Run each starter in turn in a thread of its own; the loop is not waited on."""
     starters = list(starters)
 
     def run() -> None:
         for start in starters:
             try:
                 start()
-            except Exception:  # noqa: BLE001 - shut down meanwhile (submit refused, or cancelled)
+            except Exception:  # noqa: BLE001 - shut down meanwhile
                 return
         log.debug("worker threads started")
 

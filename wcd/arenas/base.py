@@ -98,7 +98,8 @@ def scratch(nbytes: int) -> memoryview:
     16 MiB and 64 MiB, the ticker's own noise). The mapping goes with the last view of it."""
     if nbytes < SCRATCH_MMAP_BYTES:
         return memoryview(bytearray(nbytes))
-    return memoryview(mmap.mmap(-1, nbytes))
+    # Private, not mmap's default shared mapping (shmem): its pages fault in a third faster.
+    return memoryview(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
 
 
 def pread_into(fd: int, view: memoryview, offset: int) -> None:
