@@ -163,16 +163,20 @@ class Residency:
         finally:
             self._admitting.pop(model.name, None)
             done.set()
+        if next((m for m in self.state.config.models if m.name == model.name), None) != model:
+            self.supersede(entry)  # a reload changed or removed it meanwhile: its fill stops, then per that config
         self.start_fill(entry)
 
     async def admission(self, name: str, timeout: float) -> bool:
-        """Wait (at most `timeout` s) until a configured model of that name being admitted (its
-        headers read) is in the cache or failed; whether one was under way."""
+        """Wait until a configured model of that name being admitted (its headers read) is in the
+        cache or failed; whether one was under way. `Busy` after `timeout` s, as `wait_ready`."""
         done = self._admitting.get(name)
         if done is None:
             return False
-        with contextlib.suppress(asyncio.TimeoutError):
+        try:
             await asyncio.wait_for(done.wait(), timeout)
+        except asyncio.TimeoutError:
+            raise Busy(f"entry {name!r} is still being admitted (its headers read) after {timeout:g} s") from None
         return True
 
     async def admit_load(self, name: str, path: Path, device: str, retention: Retention, origin: Origin,

@@ -64,6 +64,7 @@ class Server:
         # Built by startup(), which needs the running loop and the devices' memory sizes:
         self.state: ServerState
         self.residency: Residency
+        self.executor: workers.Pool  # the loop's default executor
         self.quotas: Quotas
         self._ops: ops.Context
 
@@ -71,7 +72,7 @@ class Server:
 
     async def startup(self) -> None:
         loop = asyncio.get_running_loop()
-        executor = workers.loop_executor()
+        self.executor = executor = workers.loop_executor()
         loop.set_default_executor(executor)
         config = self._config
         began = time.monotonic()
@@ -338,15 +339,13 @@ class Server:
             await asyncio.sleep(interval)
 
 
-async def _drained(timeout: float) -> bool:
+async def _drained(executor: workers.Pool, timeout: float) -> bool:
     """Whether the loop's executor and every other worker thread (the load and digest pools) end
-    within `timeout` s; asyncio would otherwise join them at exit without a limit."""
+    within `timeout` s; asyncio would otherwise join them at exit without a limit. (Not through
+    `loop.shutdown_default_executor`: cancelled at the limit, it joins the executor's thread on the loop.)"""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    try:
-        await asyncio.wait_for(loop.shutdown_default_executor(), timeout)
-    except asyncio.TimeoutError:
-        return False
+    executor.shutdown(wait=False)
     workers = [t for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon]
     while any(t.is_alive() for t in workers) and loop.time() < deadline:
         await asyncio.sleep(0.02)
@@ -469,7 +468,7 @@ def run(config: Config, instance: str = "wcd", config_path: Path | None = None,
         # The loop's executor and the load pools would join hung threads at exit until systemd's stop
         # timeout kills us: everything is said and parked by now, so then go without them.
         hung = server.residency.hung  # said by Residency.close
-        if not hung and not await _drained(RELEASE_WAIT_S):
+        if not hung and not await _drained(server.executor, RELEASE_WAIT_S):
             log.warning("shutdown: worker threads still busy after %g s (in a hung GPU driver?): exiting "
                         "without them", RELEASE_WAIT_S)
             hung = True

@@ -16,6 +16,7 @@ behind it (a fill's fallocate holding one thread kept a `to_thread` waiting 2.45
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -28,7 +29,7 @@ from typing import Any
 log = logging.getLogger("wcd")
 
 _Work = tuple[Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]]
-_queues: weakref.WeakSet[queue.SimpleQueue[Any]] = weakref.WeakSet()  # of every pool with threads
+_pools: weakref.WeakSet[Pool] = weakref.WeakSet()  # every pool, for `_wake_at_exit`
 
 
 class Pool(ThreadPoolExecutor):
@@ -40,7 +41,7 @@ class Pool(ThreadPoolExecutor):
         self._started: list[threading.Thread] = []
         self._idle = 0  # threads waiting for work that no submit has counted on yet
         self._closed = False
-        _queues.add(self._work)
+        _pools.add(self)
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
         future: Future[Any] = Future()
@@ -54,18 +55,31 @@ class Pool(ThreadPoolExecutor):
             elif len(self._started) < self.workers:
                 thread = self._new_thread()
         if thread is not None:
-            thread.start()
+            try:
+                thread.start()
+            except BaseException:  # no thread (limits, memory): the work is not left queued for none
+                future.cancel()
+                with self._lock:
+                    self._started.remove(thread)
+                raise
         return future
 
     def start_all(self) -> None:
-        """Start the threads not started yet (blocking: not from the loop). They begin idle."""
-        with self._lock:
-            if self._closed:
-                return
-            threads = [self._new_thread() for _ in range(self.workers - len(self._started))]
-            self._idle += len(threads)
-        for thread in threads:
-            thread.start()
+        """Start the threads not started yet (blocking: not from the loop), one at a time, so that
+        a shutdown meanwhile stops it. They begin idle."""
+        while True:
+            with self._lock:
+                if self._closed or len(self._started) >= self.workers:
+                    return
+                thread = self._new_thread()
+                self._idle += 1
+            try:
+                thread.start()
+            except BaseException:
+                with self._lock:
+                    self._started.remove(thread)
+                    self._idle -= 1
+                raise
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         with self._lock:
@@ -83,7 +97,8 @@ class Pool(ThreadPoolExecutor):
         super().shutdown(wait=False)
         if wait:
             for thread in threads:
-                thread.join()
+                with contextlib.suppress(RuntimeError):  # still being started by `start_all`: it ends
+                    thread.join()                        # at once, on the sentinel
 
     def _new_thread(self) -> threading.Thread:  # under the lock; started by the caller
         # The thread holds the pool weakly, as ThreadPoolExecutor's do: a pool nobody shut down
@@ -119,9 +134,12 @@ def _call(future: Future[Any], fn: Callable[..., Any], args: tuple[Any, ...], kw
 
 
 def _wake_at_exit() -> None:
-    """Before the interpreter joins its threads at exit (as concurrent.futures does for its own)."""
-    for work_queue in list(_queues):
-        work_queue.put(None)
+    """Before the interpreter joins its threads at exit (as concurrent.futures does for its own):
+    no more work, and each pool's threads end after what is queued."""
+    for pool in list(_pools):
+        with pool._lock:
+            pool._closed = True
+            pool._work.put(None)
 
 
 threading._register_atexit(_wake_at_exit)  # type: ignore[attr-defined]
@@ -140,7 +158,8 @@ def start_all(starters: Iterable[Callable[[], None]]) -> None:
         for start in starters:
             try:
                 start()
-            except Exception:  # noqa: BLE001 - shut down meanwhile
+            except Exception as e:  # noqa: BLE001 - a thread that cannot start waits for a submit
+                log.warning("starting worker threads: %s: %s", type(e).__name__, e)
                 return
         log.debug("worker threads started")
 

@@ -17,6 +17,14 @@ def named(prefix: str) -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith(prefix + "_")]
 
 
+def idle(pool: Pool, n: int) -> None:
+    """Until `n` of its threads wait for work (a thread counts itself idle just after its work's result)."""
+    deadline = time.monotonic() + 5
+    while pool._idle < n:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+
+
 def test_work_runs_and_its_failures_are_the_futures() -> None:
     pool = Pool(3, "t-run")
     try:
@@ -37,7 +45,7 @@ def test_a_submit_starts_a_thread_only_when_none_is_idle() -> None:
     try:
         for _ in range(5):
             pool.submit(abs, 1).result(5)
-            time.sleep(0.01)  # the thread is idle again
+            idle(pool, 1)  # the thread is back waiting
         assert len(named("t-lazy")) == 1
         gate = threading.Event()
         busy = [pool.submit(gate.wait, 5) for _ in range(3)]
@@ -63,6 +71,7 @@ def test_start_all_starts_every_thread_without_holding_back_work_behind_a_busy_o
         assert time.monotonic() - started < 1.0
         for _ in range(3):  # the idle ones take work without starting more
             pool.submit(abs, 1).result(5)
+            idle(pool, 3)
         assert len(named("t-all")) == 4
         gate.set()
         long.result(5)
@@ -74,6 +83,10 @@ def test_shutdown_can_cancel_queued_work_and_does_not_wait_if_told_not_to() -> N
     pool = Pool(1, "t-stop")
     gate = threading.Event()
     running = pool.submit(gate.wait, 5)
+    deadline = time.monotonic() + 5
+    while not running.running():  # taken by the thread, not still queued
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
     queued = pool.submit(abs, 1)
     pool.shutdown(wait=False, cancel_futures=True)
     with pytest.raises(CancelledError):
@@ -118,3 +131,26 @@ def test_a_pool_nobody_shut_down_holds_neither_the_exit_nor_its_threads() -> Non
     script = "from wcd.workers import Pool; p = Pool(3, 'x'); p.start_all(); p.submit(abs, 1).result(); print('done')"
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0 and out.stdout.strip() == "done", out
+
+
+def test_a_shutdown_while_start_all_starts_threads_neither_fails_nor_leaves_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM right after READY: the loop's executor is shut down (and joined) while the start-up
+    thread is still starting its threads, each start taking its time on a busy host."""
+    real_start = threading.Thread.start
+
+    def slow_start(self: threading.Thread) -> None:
+        time.sleep(0.05)
+        real_start(self)
+
+    pool = Pool(6, "t-race")
+    monkeypatch.setattr(threading.Thread, "start", slow_start)
+    starter = threading.Thread(target=pool.start_all)
+    real_start(starter)
+    time.sleep(0.12)  # two or three started, one being started
+    pool.shutdown(wait=True)
+    starter.join(5)
+    monkeypatch.undo()
+    for t in named("t-race"):
+        t.join(5)
+    assert named("t-race") == [] and len(pool._started) < 6  # it stopped starting them
