@@ -146,6 +146,7 @@ def evict(ctx: Context, conn: Connection, req: protocol.Evict) -> None:
     conn.send(protocol.ok(req.id, entry=entry.name, state="evicted" if dropped else entry.state,
                           leases=len(entry.leases)))
 
+
 def metrics(ctx: Context, conn: Connection, req: protocol.Metrics) -> Coroutine[Any, Any, None] | None:
     """At once, once prometheus-client is imported; before (the first second after READY, when
     `Server._warm_metrics` imports it) as a task that waits for the one import, in a thread, and

@@ -346,10 +346,10 @@ async def _drained(executor: workers.Pool, timeout: float) -> bool:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     executor.shutdown(wait=False)
-    workers = [t for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon]
-    while any(t.is_alive() for t in workers) and loop.time() < deadline:
+    threads = [t for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon]
+    while any(t.is_alive() for t in threads) and loop.time() < deadline:
         await asyncio.sleep(0.02)
-    return not any(t.is_alive() for t in workers)
+    return not any(t.is_alive() for t in threads)
 
 
 def _log_failure(task: asyncio.Task[Any]) -> None:
