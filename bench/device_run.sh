@@ -35,6 +35,14 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 -m compileall -q wcd /tmp/site >/dev/null  # as an installed package has: no compiling on the clock
 nvidia-smi -L | tee "$OUT/gpus.txt"; nproc; free -g | head -2
 LOADERS=wcd,wcd-direct,safetensors,fastsafetensors,instanttensor,runai  # wcd-direct: cold_reads = "direct"
+restart_ab() {  # exec -> READY of oldtree/ and this tree, alternated, on a GPU and host-only config: a line per run
+  for round in 1 2 3; do for dev in cuda:0 cpu; do for t in old new; do
+    R=$PWD; [ $t = old ] && R=$PWD/oldtree
+    (cd "$R" && PYTHONPATH=/tmp/site:$R timeout 60 python3 bench/bench_restart.py --device $dev \
+      --ckpt /tmp/wcd-bench-load/0.1gb-200 --restarts 5 > "$OUT/restart-$t-$dev-$round.json" 2>"$OUT/restart-err.log")
+    echo "$t $dev $round $(python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print([round(x,3) for x in d['exec_to_ready_s']], d['daemon_says'][-1][:150])" "$OUT/restart-$t-$dev-$round.json" 2>&1)"
+  done; done; done
+}
 case "${1:-tests}" in
   tests)
     timeout 300 python3 -m pytest tests/gpu -v -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
@@ -141,12 +149,7 @@ write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-100000'), int(1.6e9), 100000, 4
 write_checkpoint(Path('/tmp/wcd-bench-load/0.1gb-200'), int(0.1e9), 200, 1)
 write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-1000'), int(1.6e9), 1000, 4)
 write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-100000'), int(1.6e9), 100000, 4)"
-    for round in 1 2 3; do for dev in cuda:0 cpu; do for t in old new; do
-      R=$PWD; [ $t = old ] && R=$PWD/oldtree
-      (cd "$R" && PYTHONPATH=/tmp/site:$R timeout 60 python3 bench/bench_restart.py --device $dev \
-        --ckpt /tmp/wcd-bench-load/0.1gb-200 --restarts 5 > "$OUT/restart-$t-$dev-$round.json" 2>"$OUT/restart-err.log")
-      echo "$t $dev $round $(python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print([round(x,3) for x in d['exec_to_ready_s']], d['daemon_says'][-1][:150])" "$OUT/restart-$t-$dev-$round.json" 2>&1)"
-    done; done; done | tee "$OUT/restart-ab.txt"
+    restart_ab | tee "$OUT/restart-ab.txt"
     python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from bench_load import write_checkpoint
 write_checkpoint(Path('/tmp/wcd-bench-load/16gb-1000'), int(16e9), 1000, 4)"
     timeout 150 python3 bench/bench_restart.py --device cuda:0 --ckpt /tmp/wcd-bench-load/16gb-1000 --reserve 64 \
@@ -187,12 +190,7 @@ print('primary context: retain', round((time.perf_counter() - t) * 1e3, 1), 'ms;
 write_checkpoint(Path('/tmp/wcd-bench-load/0.1gb-200'), int(0.1e9), 200, 1)
 write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-1000'), int(1.6e9), 1000, 4)
 write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-100000'), int(1.6e9), 100000, 4)"
-    for round in 1 2 3; do for dev in cuda:0 cpu; do for t in old new; do
-      R=$PWD; [ $t = old ] && R=$PWD/oldtree
-      (cd "$R" && PYTHONPATH=/tmp/site:$R timeout 60 python3 bench/bench_restart.py --device $dev \
-        --ckpt /tmp/wcd-bench-load/0.1gb-200 --restarts 5 > "$OUT/r-$t-$dev-$round.json" 2>"$OUT/restart-err.log")
-      echo "$t $dev $round $(python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print([round(x,3) for x in d['exec_to_ready_s']], d['daemon_says'][-1][:150])" "$OUT/r-$t-$dev-$round.json" 2>&1)"
-    done; done; done | sed 's/cuda:0/gpu/' | tee "$OUT/restart-ab.txt"
+    restart_ab | sed 's/cuda:0/gpu/' | tee "$OUT/restart-ab.txt"
     for round in 1 2; do for w in 4 8 16 fst d4; do
       case $w in fst) L=fastsafetensors; n=16 ;; d4) L=wcd-direct; n=4 ;; *) L=wcd; n=$w ;; esac
       BENCH_DAEMON_CONFIG="load_workers = $n" timeout -s INT 60 python3 bench/bench_load.py --device cuda:0 \

@@ -14,7 +14,7 @@ import pytest
 
 from wcd import residency
 from wcd.arenas.base import Arena
-from wcd.cache import Cache
+from wcd.cache import Cache, Entry
 from wcd.config import Config
 from wcd.errors import BadRequest, DeviceUnavailable, Internal, NotFound, OutOfMemory
 from wcd.key import WeightCacheKey
@@ -85,6 +85,13 @@ def make() -> Residency:
     return Residency(state, Metrics(state), lambda c: asyncio.ensure_future(c))
 
 
+def adopted(gate: threading.Event | None = None) -> tuple[Residency, Rec, Entry]:
+    """A residency with "m" admitted from a record, as before READY (`_adopt`): loading, unchecked."""
+    res = make()
+    rec = Rec("m", WeightCacheKey(model="m"), gate=gate)
+    return res, rec, res._adopt(rec)
+
+
 def arena_fd() -> int:
     return os.memfd_create("arena")
 
@@ -106,9 +113,7 @@ def test_a_backend_that_fails_to_load_closes_the_arena_fd(monkeypatch: pytest.Mo
     monkeypatch.setattr(residency, "_unstore", lambda name: None)
 
     async def main() -> int:
-        res = make()
-        rec = Rec("m", WeightCacheKey(model="m"))
-        entry = res._adopt(rec)
+        res, rec, entry = adopted()
         fd = arena_fd()
         await res._check_adopted(entry, rec, fd)
         assert "m" not in res.cache.entries
@@ -126,9 +131,7 @@ def test_a_check_cancelled_while_its_worker_opens_the_arena_closes_it_once_the_w
     monkeypatch.setattr(residency, "backend_for", lambda device: backend)
 
     async def main() -> int:
-        res = make()
-        rec = Rec("m", WeightCacheKey(model="m"))
-        entry = res._adopt(rec)
+        res, rec, entry = adopted()
         fd = arena_fd()
         task = asyncio.ensure_future(res._check_adopted(entry, rec, fd))
         await asyncio.to_thread(backend.entered.wait, 5)
@@ -158,9 +161,7 @@ def test_a_second_evict_during_the_check_drops_the_entry_quietly(monkeypatch: py
     caplog.set_level(logging.INFO, logger="wcd")
 
     async def main() -> None:
-        res = make()
-        rec = Rec("m", WeightCacheKey(model="m"), gate=gate)
-        entry = res._adopt(rec)
+        res, rec, entry = adopted(gate)
         task = asyncio.ensure_future(res._check_adopted(entry, rec, arena_fd()))
         await asyncio.to_thread(backend.entered.wait, 5)
         await asyncio.sleep(0.1)
@@ -192,9 +193,7 @@ def test_an_acquire_after_a_reload_changed_an_entry_still_being_checked_waits_fo
     monkeypatch.setattr(residency, "_unstore", lambda name: None)
 
     async def main() -> float:
-        res = make()
-        rec = Rec("m", WeightCacheKey(model="m"), gate=gate)
-        entry = res._adopt(rec)
+        res, rec, entry = adopted(gate)
         task = asyncio.ensure_future(res._check_adopted(entry, rec, arena_fd()))
         await asyncio.to_thread(backend.entered.wait, 5)
         res.supersede(entry)  # SIGHUP: m is no longer configured
@@ -252,9 +251,7 @@ def test_a_check_that_fails_for_want_of_memory_is_tried_again_before_the_copy_is
     caplog.set_level(logging.WARNING, logger="wcd")
 
     async def main() -> None:
-        res = make()
-        rec = Rec("m", WeightCacheKey(model="m"))
-        entry = res._adopt(rec)
+        res, rec, entry = adopted()
         await res._check_adopted(entry, rec, arena_fd())
         if kept:
             assert res.cache.entries["m"].state == "ready" and unstored == []
