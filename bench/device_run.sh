@@ -35,7 +35,12 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 -m compileall -q wcd /tmp/site >/dev/null  # as an installed package has: no compiling on the clock
 nvidia-smi -L | tee "$OUT/gpus.txt"; nproc; free -g | head -2
 LOADERS=wcd,wcd-direct,safetensors,fastsafetensors,instanttensor,runai  # wcd-direct: cold_reads = "direct"
-restart_ab() {  # exec -> READY of oldtree/ and this tree, alternated, on a GPU and host-only config: a line per run
+restart_ab() {  # the 0.1 GB and 1.6 GB checkpoints (written once), then exec -> READY of oldtree/ and this
+  # tree, alternated, on a GPU and a host-only config: a line per run
+  python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from bench_load import write_checkpoint
+write_checkpoint(Path('/tmp/wcd-bench-load/0.1gb-200'), int(0.1e9), 200, 1)
+write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-1000'), int(1.6e9), 1000, 4)
+write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-100000'), int(1.6e9), 100000, 4)" >&2
   for round in 1 2 3; do for dev in cuda:0 cpu; do for t in old new; do
     R=$PWD; [ $t = old ] && R=$PWD/oldtree
     (cd "$R" && PYTHONPATH=/tmp/site:$R timeout 60 python3 bench/bench_restart.py --device $dev \
@@ -145,10 +150,6 @@ write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-100000'), int(1.6e9), 100000, 4
   round5)  # GPU tests; restart old/new alternately (cuda:0 and cpu), then with 16 GB + 64 GB kept; cold in both orders
     timeout 150 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
       | grep -E "FAILED|ERROR|passed|failed" | cut -c1-300
-    python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from bench_load import write_checkpoint
-write_checkpoint(Path('/tmp/wcd-bench-load/0.1gb-200'), int(0.1e9), 200, 1)
-write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-1000'), int(1.6e9), 1000, 4)
-write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-100000'), int(1.6e9), 100000, 4)"
     restart_ab | tee "$OUT/restart-ab.txt"
     python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from bench_load import write_checkpoint
 write_checkpoint(Path('/tmp/wcd-bench-load/16gb-1000'), int(16e9), 1000, 4)"
@@ -186,10 +187,6 @@ print('primary context: retain', round((time.perf_counter() - t) * 1e3, 1), 'ms;
     python3 -m compileall -q oldtree/wcd >/dev/null
     timeout 150 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
       | grep -E "FAILED|ERROR|passed|failed" | cut -c1-300
-    python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from bench_load import write_checkpoint
-write_checkpoint(Path('/tmp/wcd-bench-load/0.1gb-200'), int(0.1e9), 200, 1)
-write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-1000'), int(1.6e9), 1000, 4)
-write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-100000'), int(1.6e9), 100000, 4)"
     restart_ab | sed 's/cuda:0/gpu/' | tee "$OUT/restart-ab.txt"
     for round in 1 2; do for w in 4 8 16 fst d4; do
       case $w in fst) L=fastsafetensors; n=16 ;; d4) L=wcd-direct; n=4 ;; *) L=wcd; n=$w ;; esac
