@@ -5,7 +5,8 @@ Phases: `Checkpoint.open` (header parse and validation), `fingerprint`, `manifes
 `copy_plan`, `recheck` (the fingerprint again: the check after a fill) and `grouped()` (the wire
 layout, built at the first acquire), each the median of `--reps` runs; `json` and `from_json` are
 the bare `json.loads` and `pydantic_core.from_json` (what `open` parses with) of the headers, their
-objects freed, cyclic GC off: the floor no per-tensor saving gets below. `load_op` is the load op's
+objects freed, cyclic GC off: the floor no per-tensor saving gets below; `open_helpers` is `open`
+with `--helpers N` header helper processes (`wcd.header_helpers`). `load_op` is the load op's
 CPU besides the copies (open, fingerprint, manifest, plan, recheck). Checkpoints are bench_load's
 synthetic BF16 shards (written once).
 
@@ -33,6 +34,7 @@ from pydantic_core import from_json  # noqa: E402
 
 from wcd import key  # noqa: E402
 from wcd.checkpoint import Checkpoint  # noqa: E402
+from wcd.header_helpers import HeaderHelpers  # noqa: E402
 
 
 def bare_parse(files: list[Path], parse: Callable[[bytes], Any]) -> None:
@@ -50,7 +52,7 @@ def bare_parse(files: list[Path], parse: Callable[[bytes], Any]) -> None:
             gc.enable()
 
 
-def phases(d: Path, files: list[Path]) -> dict[str, float]:
+def phases(d: Path, files: list[Path], helpers: HeaderHelpers | None) -> dict[str, float]:
     out: dict[str, float] = {}
 
     def timed(name: str, f: Callable[[], Any]) -> Any:
@@ -61,6 +63,8 @@ def phases(d: Path, files: list[Path]) -> dict[str, float]:
 
     timed("json", lambda: bare_parse(files, json.loads))
     timed("from_json", lambda: bare_parse(files, lambda raw: from_json(raw, allow_inf_nan=True)))
+    if helpers is not None:  # the same open, its large headers parsed by the helpers
+        timed("open_helpers", lambda: Checkpoint.open(d, helpers=helpers)).close()
     with timed("open", lambda: Checkpoint.open(d)) as ckpt:
         timed("fingerprint", lambda: key.fingerprint(ckpt))
         manifest = timed("manifest", ckpt.manifest)
@@ -78,19 +82,27 @@ def main() -> None:
     p.add_argument("--ckpt", action="append", metavar="GB:TENSORS", help="default: 1.6:1000 and 1.6:100000")
     p.add_argument("--shards", type=int, default=4)
     p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--helpers", type=int, default=0, help="header helper processes for open_helpers (0: not measured)")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
+    helpers = HeaderHelpers(args.helpers) if args.helpers else None
+    if helpers is not None:
+        start = time.perf_counter()
+        helpers.start()
+        print(f"{args.helpers} header helpers started in {(time.perf_counter() - start) * 1e3:.0f} ms")
     results = []
     for spec in args.ckpt or ["1.6:1000", "1.6:100000"]:
         gb, tensors = spec.split(":")
         d = args.dir / f"{gb}gb-{tensors}"
         files = write_checkpoint(d, int(float(gb) * 1e9), int(tensors), args.shards)
-        runs = [phases(d, files) for _ in range(args.reps)]
+        runs = [phases(d, files, helpers) for _ in range(args.reps)]
         median = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         results.append({"gb": float(gb), "tensors": int(tensors), "median_s": median})
         print(f"{tensors:>7} tensors: " + "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in median.items())
               + f"  (admission / json: {median['admission'] / median['json']:.2f}; load_op / from_json: "
                 f"{median['load_op'] / median['from_json']:.2f})")
+    if helpers is not None:
+        helpers.close()
     if args.out:
         args.out.write_text(json.dumps(results, indent=1) + "\n")
 

@@ -22,6 +22,7 @@
 #                                     cold); bench_admit's phases and parse floor at 100k
 #   bash bench/device_run.sh front    cold read patterns on 1.6 GB (fastsafetensors' 16 x 512 KiB O_DIRECT front and
 #                                     neighbours), then fastsafetensors and wcd cold
+#   bash bench/device_run.sh helpers  bench_admit with header helpers; 1.6 GB warm loads with and without them
 #   bash bench/device_run.sh round5b  GPU tests; restart (oldtree/ compiled, and this tree); cold 1.6 GB with 4/8/16
 #                                     load workers beside fastsafetensors; 1.6 GB warm 1k/100k; 16 GB warm
 # Logs and JSON land in $OUT (the device tool brings them back).
@@ -177,6 +178,19 @@ print('primary context: retain', round((time.perf_counter() - t) * 1e3, 1), 'ms;
     grep -E "admitting|filled from|loaded" "$OUT"/daemon-small*.log | cut -c1-220
     timeout 100 python3 bench/bench_admit.py --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --ckpt 1.6:100000 --reps 5 \
       2>&1 | tee "$OUT/admit.txt" | tail -3 ;;
+  helpers)  # bench_admit with 4 header helpers; 1.6 GB 1k/100k warm loads, helpers (default) and none, alternated
+    timeout 120 python3 bench/bench_admit.py --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --ckpt 1.6:100000 --reps 7 \
+      --helpers 4 2>&1 | tee "$OUT/admit.txt" | tail -3
+    mkdir -p "$OUT/logs"
+    for round in 1 2; do for h in default 0; do
+      cfg=""; [ $h = 0 ] && cfg="header_helpers = 0"
+      BENCH_DAEMON_CONFIG="$cfg" BENCH_DAEMON_LOG_LEVEL=debug timeout 150 python3 bench/bench_load.py --device cuda:0 \
+        --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --ckpt 1.6:100000 --reps 3 --loaders wcd \
+        --out "$OUT/logs/load-helpers-$h-$round.json" --daemon-log "$OUT/logs/daemon-helpers-$h-$round.log" 2>&1 \
+        | grep -v '"wcd_verify"' | sed "s/^/$h $round /" | cut -c1-260
+    done; done
+    grep -hE "headers parsed|admitting|loaded" "$OUT"/logs/daemon-helpers-*.log | cut -c1-200
+    tar -C "$OUT" -czf "$OUT/helpers-logs.tgz" logs && rm -r "$OUT/logs" ;;
   front)  # cold read patterns on 1.6 GB (fastsafetensors' O_DIRECT front), then fastsafetensors and wcd cold
     timeout -s INT 150 python3 bench/probe_load.py --steps front --out "$OUT/probe-front.json" 2>&1 | tail -2 | cut -c1-2500
     for L in fastsafetensors wcd wcd-direct; do

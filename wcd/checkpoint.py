@@ -21,7 +21,7 @@ from functools import cached_property
 from itertools import chain, compress, count, islice, pairwise, repeat
 from operator import add, ge, itemgetter, le, mul, ne, sub
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from pydantic_core import from_json
 
@@ -39,6 +39,9 @@ from wcd.manifest import (
     check_overlaps,
     tensor_nbytes,
 )
+
+if TYPE_CHECKING:
+    from wcd.header_helpers import HeaderHelpers
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
 SAMPLE_BYTES = 4096
@@ -164,6 +167,12 @@ def read_header(file: Path) -> Header:
 
 def parse_header(fd: int, file: Path) -> Header:
     """Parse and validate the safetensors header of the open file `fd`; every tensor must lie inside it."""
+    raw, data_start, file_size = read_raw_header(fd, file)
+    return header_from(file, raw, data_start, file_size)
+
+
+def read_raw_header(fd: int, file: Path) -> tuple[bytes, int, int]:
+    """The open file's raw header bytes, where its data section starts, and its size."""
     try:
         file_size = os.fstat(fd).st_size
         prefix = os.pread(fd, 8, 0)
@@ -172,13 +181,20 @@ def parse_header(fd: int, file: Path) -> Header:
         n = int.from_bytes(prefix, "little")
         if n > MAX_HEADER_BYTES or 8 + n > file_size:
             raise LoadFailed(f"{file}: not a safetensors file (header length {n} is implausible)")
-        raw = _pread_all(fd, n, 8)
+        return _pread_all(fd, n, 8), 8 + n, file_size
     except OSError as e:
         raise LoadFailed(f"{file}: cannot read: {e.strerror}") from None
-    # A million small objects that form no cycles: collections would cost as much as the parse.
-    # They are all freed when `_parse` returns, before the collector is back and would walk them.
-    with gc_paused():
-        return _parse(file, raw, 8 + n, file_size)
+
+
+def header_from(file: Path, raw: bytes, data_start: int, file_size: int, columns: Columns | None = None) -> Header:
+    """The `Header` of raw header bytes, from their `columns` if given (`header_columns`, parsed
+    elsewhere), else parsed here; a header that is not valid raises its LoadFailed here."""
+    if columns is None:
+        # A million small objects that form no cycles: collections would cost as much as the parse.
+        # They are all freed when `_parse` returns, before the collector is back and would walk them.
+        with gc_paused():
+            return _parse(file, raw, data_start, file_size)
+    return Header(file, raw, data_start, file_size, *columns)
 
 
 # Headers past two pieces are parsed a piece at a time (`_decode_in_pieces`): from_json holds the GIL
@@ -243,6 +259,26 @@ def _decode_in_pieces(raw: bytes) -> dict[str, Any] | None:
         start = after  # the next member's key
 
 
+def header_columns(raw: bytes, data_size: int) -> Columns | None:
+    """The columns of a valid header with `data_size` bytes of data, or None for any header that
+    `_parse` refuses (which then says why): what a helper process computes (`wcd.header_helpers`)."""
+    try:
+        doc = _decode(Path(), raw)
+    except LoadFailed:
+        return None
+    if not isinstance(doc, dict):
+        return None
+    doc.pop("__metadata__", None)
+    columns = _columns(doc, data_size)
+    if columns is not None and not columns[-1]:
+        names, _, _, _, begins, ends, sizes, _ = columns
+        try:
+            check_overlaps(names, begins, sizes, ends)
+        except WcdError:
+            return None
+    return columns
+
+
 def _parse(file: Path, raw: bytes, data_start: int, file_size: int) -> Header:
     doc = _decode(file, raw)
     if not isinstance(doc, dict):
@@ -260,11 +296,11 @@ def _parse(file: Path, raw: bytes, data_start: int, file_size: int) -> Header:
     return Header(file, raw, data_start, file_size, names, codes, shapes, ids, begins, ends, sizes, contiguous)
 
 
-_Columns = tuple[tuple[str, ...], bytes, tuple[tuple[int, ...], ...], "array[int]", list[int], list[int], list[int],
+Columns = tuple[tuple[str, ...], bytes, tuple[tuple[int, ...], ...], "array[int]", list[int], list[int], list[int],
                  bool]
 
 
-def _columns(doc: dict[str, Any], data_size: int) -> _Columns | None:
+def _columns(doc: dict[str, Any], data_size: int) -> Columns | None:
     """The header's entries as columns sorted by data offset, and whether they lie back to back,
     or None if any entry is not a valid tensor within `data_size` bytes of data. Checked in bulk
     (C-level passes over each column, one Python step per distinct shape), never a Python step per
@@ -501,16 +537,23 @@ class Checkpoint:
         self.fingerprinted: tuple[str, tuple[tuple[Any, bytes], ...]] | None = None
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str], follow_links: bool = False, owner_check: bool = True) -> Checkpoint:
+    def open(cls, path: str | os.PathLike[str], follow_links: bool = False, owner_check: bool = True,
+             helpers: HeaderHelpers | None = None) -> Checkpoint:
         """Open every shard of `path` (a file or a directory of shards) and parse its header.
 
         Symbolic links to shards are followed only while they stay inside the directory, unless
         `follow_links`; with `owner_check`, a file the directory's owner could not read is refused.
+        `helpers` parse large headers in other processes, beside each other (the same outcome).
         """
         p = Path(path).resolve()
         files = open_files(p, follow_links, owner_check)
         try:
-            headers = tuple(parse_header(fd, file) for file, fd in files)
+            if helpers is None:
+                headers = tuple(parse_header(fd, file) for file, fd in files)
+            else:
+                raws = [read_raw_header(fd, file) for file, fd in files]
+                columns = helpers.columns([(raw, size - start) for raw, start, size in raws])
+                headers = tuple(header_from(file, *raw, cols) for (file, _), raw, cols in zip(files, raws, columns))
             if len(headers) > 1 and len(set(chain.from_iterable(h.names for h in headers))) != \
                     sum(len(h.names) for h in headers):
                 names: set[str] = set()

@@ -33,6 +33,8 @@ from wcd.cache import Entry, Lease, Origin, Retention
 from wcd.checkpoint import Checkpoint, open_files
 from wcd.config import Config, ModelConfig, format_size, parse_size
 from wcd.errors import BadRequest, Busy, DeviceUnavailable, LoadFailed, NotFound, WcdError
+from wcd.header_helpers import HeaderHelpers
+from wcd.header_helpers import default_count as default_helpers
 from wcd.key import HOST_DEVICE, WeightCacheKey, fingerprint_unparsed
 from wcd.key import fingerprint as key_fingerprint
 from wcd.loader import Cancelled, content_digest, default_workers, digest_arena, fill_arena, verify_arena
@@ -112,6 +114,8 @@ class Residency:
         self._digest_pool = Pool(state.config.daemon.digest_workers, "wcd-digest")
         self._fill_pool = Pool(FILL_WORKERS, "wcd-fill")
         self.pools = (self._digest_pool, self._fill_pool)
+        helpers = state.config.daemon.header_helpers
+        self.helpers = HeaderHelpers(default_helpers() if helpers is None else helpers)
 
     # -- devices ----------------------------------------------------------------------------
 
@@ -188,7 +192,7 @@ class Residency:
         canonical = self.canonical_device(device)
         self._prepare(canonical)
         started = time.monotonic()
-        ckpt = await asyncio.to_thread(Checkpoint.open, path, follow_links)
+        ckpt = await asyncio.to_thread(Checkpoint.open, path, follow_links, helpers=self.helpers)
         opened = time.monotonic()
         try:
             # 100,000 tensors take a few hundred ms to lay out: off the loop, like the reads.
@@ -214,6 +218,14 @@ class Residency:
         daemon = self.state.config.daemon
         backend.configure(daemon.staging_linger_s, direct_reads=daemon.cold_reads == "direct")
         return backend
+
+    def start_helpers(self) -> None:
+        """Start the header helper processes (blocking: from the thread that starts the workers)."""
+        try:
+            self.helpers.start()
+        except Exception as e:  # noqa: BLE001 - one line; the daemon parses headers itself
+            log.warning("cannot start header helpers (%s: %s): headers are parsed in the daemon",
+                        type(e).__name__, e)
 
     def warm_backends(self) -> None:
         """Import the GPU backend (cuda-bindings: 18-25 ms holding the GIL on the H200 hosts) now,
@@ -398,7 +410,8 @@ class Residency:
                 return await asyncio.to_thread(compare)
             if not Path(entry.key.path).exists():
                 raise NotFound(f"{entry.key.path} is gone: nothing to verify {entry.name!r} against")
-            ckpt = await asyncio.to_thread(Checkpoint.open, entry.key.path, self._follow_links(entry.name))
+            ckpt = await asyncio.to_thread(Checkpoint.open, entry.key.path, self._follow_links(entry.name),
+                                           helpers=self.helpers)
             try:
                 # One pass: each worker reads a range of the arena and the same tensors' bytes from
                 # the files, compares them and hashes the arena's side only.
@@ -698,6 +711,7 @@ class Residency:
         self._unchecked = []
         for pool in self.pools:
             pool.shutdown(wait=False, cancel_futures=True)
+        self.helpers.close()
         arenas = [(e.name, e.arena) for e in self.cache.entries.values() if e.arena is not None]
         backends = loaded_backends()
         arenas_left, staging_left = len(arenas), [what for b in backends for what in b.lingering()]

@@ -1,0 +1,240 @@
+"""Header helper processes (wcd.header_helpers): real helpers, the daemon's own parse as the reference.
+
+What a checkpoint opened with helpers gives (headers, or the error of a bad one) must be what
+it gives without them, whatever the header and whatever happens to a helper; a helper holds no
+descriptor but its socket and none of systemd's environment; it ends with the daemon.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.unit.test_checkpoint_bulk import any_headers, outcome, write
+from wcd import header_helpers
+from wcd.checkpoint import Checkpoint
+from wcd.header_helpers import HeaderHelpers
+
+
+@pytest.fixture(scope="module")
+def helpers() -> Iterator[HeaderHelpers]:
+    pool = HeaderHelpers(2)
+    pool.start()
+    yield pool
+    pool.close()
+
+
+@pytest.fixture
+def every_header_to_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(header_helpers, "MIN_HELPER_BYTES", 0)
+
+
+def opened(path: Path, helpers: HeaderHelpers | None = None) -> list[tuple[Any, ...]]:
+    with Checkpoint.open(path, helpers=helpers) as ckpt:
+        return [(h.file, h.raw, h.data_start, h.file_size, h.names, h.dtype_codes, h.shapes, list(h.shape_ids),
+                 h.begins, h.ends, h.sizes, h.contiguous) for h in ckpt.headers]
+
+
+def experts(d: Path, shards: int, per_shard: int, shuffled: bool = False) -> Path:
+    """MoE-like shards, large enough to go to the helpers at the real threshold."""
+    d.mkdir(parents=True, exist_ok=True)
+    for s in range(shards):
+        doc: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        order = list(range(per_shard))
+        if shuffled:
+            order.reverse()
+        for k in order:
+            shape = [4, 2] if k % 3 else [8]
+            doc[f"layers.{s}.experts.{k}.w"] = {"dtype": "BF16" if k % 5 else "F32", "shape": shape,
+                                                 "data_offsets": [k * 32, k * 32 + (16 if k % 5 else 32)]}
+        write(d / f"model-{s:05d}.safetensors", doc, per_shard * 32)
+    return d
+
+
+def helper_pids(pool: HeaderHelpers) -> list[int]:
+    return sorted(h.proc.pid for h in pool._all)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(shards=st.lists(any_headers, min_size=1, max_size=4))
+def test_helpers_give_what_the_daemon_parses_valid_or_not(helpers: HeaderHelpers, every_header_to_helpers: None,
+                                                          shards: list[tuple[dict[str, Any], int]]) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (doc, data_len) in enumerate(shards):
+            write(Path(tmp) / f"m{i}.safetensors", doc, data_len)
+        assert outcome(partial(opened, Path(tmp), helpers)) == outcome(partial(opened, Path(tmp)))
+
+
+def test_large_headers_go_to_the_helpers_and_come_back_equal(helpers: HeaderHelpers, tmp_path: Path) -> None:
+    ckpt = experts(tmp_path / "m", 5, 12_000)
+    raw_len = int.from_bytes((ckpt / "model-00000.safetensors").read_bytes()[:8], "little")
+    assert raw_len >= header_helpers.MIN_HELPER_BYTES  # so the helpers take them
+    sent = []
+    send = header_helpers._Helper.send
+
+    def counting(self: header_helpers._Helper, raw: bytes, data_size: int) -> None:
+        sent.append(len(raw))
+        send(self, raw, data_size)
+
+    header_helpers._Helper.send = counting  # type: ignore[method-assign]
+    try:
+        assert opened(ckpt, helpers) == opened(ckpt)
+    finally:
+        header_helpers._Helper.send = send  # type: ignore[method-assign]
+    assert sent, "no header went to a helper"
+    assert opened(experts(tmp_path / "r", 2, 12_000, shuffled=True), helpers) == opened(tmp_path / "r")
+
+
+def test_a_helper_killed_mid_parse_is_replaced_and_its_header_parsed_here(tmp_path: Path) -> None:
+    ckpt = experts(tmp_path / "m", 4, 12_000)
+    want = opened(ckpt)
+    pool = HeaderHelpers(2)
+    pool.start()
+    try:
+        victim = next(iter(pool._all))
+        receive = header_helpers._Helper.receive
+
+        killed = []
+
+        def killed_first(self: header_helpers._Helper) -> Any:
+            if self is victim and not killed:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+                killed.append(self)
+            return receive(self)
+
+        header_helpers._Helper.receive = killed_first  # type: ignore[method-assign]
+        try:
+            assert opened(ckpt, pool) == want
+        finally:
+            header_helpers._Helper.receive = receive  # type: ignore[method-assign]
+        assert killed  # the victim had a header to answer for
+        deadline = time.monotonic() + 20
+        while (len(pool._all) < 2 or victim.proc.pid in helper_pids(pool)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(pool._all) == 2 and victim.proc.pid not in helper_pids(pool)
+        assert opened(ckpt, pool) == want
+    finally:
+        pool.close()
+
+
+def test_loads_at_once_share_the_helpers(helpers: HeaderHelpers, tmp_path: Path) -> None:
+    ckpt = experts(tmp_path / "m", 4, 12_000)
+    want = opened(ckpt)
+    got: list[Any] = []
+    threads = [threading.Thread(target=lambda: got.append(opened(ckpt, helpers))) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 6 and all(g == want for g in got)
+    assert len(helpers._idle) == 2  # every helper given back
+
+
+def test_a_helper_holds_only_its_socket_and_none_of_systemds_environment(monkeypatch: pytest.MonkeyPatch,
+                                                                         tmp_path: Path) -> None:
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "notify"))
+    monkeypatch.setenv("LISTEN_FDS", "1")
+    stray = os.open(tmp_path, os.O_RDONLY)  # inheritable or not, a helper must not get it
+    os.set_inheritable(stray, True)
+    pool = HeaderHelpers(1)
+    try:
+        pool.start()
+        (helper,) = pool._all
+        fds = {int(n): os.readlink(f"/proc/{helper.proc.pid}/fd/{n}") for n in os.listdir(f"/proc/{helper.proc.pid}/fd")}
+        assert set(fds) == {0, 1, 2}, fds
+        assert fds[0].startswith("socket:") and fds[1] == "/dev/null"
+        env = Path(f"/proc/{helper.proc.pid}/environ").read_bytes().split(b"\0")
+        assert not [v for v in env if v.startswith((b"NOTIFY_SOCKET=", b"LISTEN_FDS="))]
+    finally:
+        os.close(stray)
+        pool.close()
+
+
+def test_closing_ends_the_helpers(tmp_path: Path) -> None:
+    pool = HeaderHelpers(2)
+    pool.start()
+    procs = [h.proc for h in pool._all]
+    pool.close()
+    assert all(p.returncode is not None for p in procs)
+    assert pool.columns([(b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}' + b" " * (300 << 10), 1)])[0]
+
+
+def test_default_count_is_a_helper_per_four_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    for cores, want in [(1, 0), (2, 0), (3, 0), (4, 1), (8, 2), (16, 4), (128, 4)]:
+        monkeypatch.setattr(os, "cpu_count", lambda cores=cores: cores)
+        assert header_helpers.default_count() == want
+
+
+def daemon_children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"wcd.header_helpers" in cmdline:
+                found.append(int(entry))
+    return found
+
+
+def test_daemon_parses_a_large_checkpoint_with_its_helpers_and_they_end_with_it(make_daemon: Any,
+                                                                                tmp_path: Path) -> None:
+    ckpt = experts(tmp_path / "m", 4, 12_000)
+    d = make_daemon("header_helpers = 2\n")
+    deadline = time.monotonic() + 20  # the helpers are the last thing started after READY
+    while "worker threads started" not in d.log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    children = daemon_children(d.proc.pid)
+    assert len(children) == 2
+    with d.client() as c:
+        entry = c.load("moe", ckpt, device="cpu", wait=True)
+        assert entry["tensors"] == 48_000, entry
+    log = d.log.read_text()
+    parsed = re.search(r"headers parsed: (\d+) by helpers, (\d+) in the daemon", log)
+    assert parsed and int(parsed[1]) >= 2 and int(parsed[1]) + int(parsed[2]) == 4, log  # both helpers took one
+    assert "header helper" not in log  # none failed
+    d.proc.kill()
+    d.proc.wait()
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{c}").exists() and "Z" not in Path(f"/proc/{c}/stat").read_text().rsplit(")", 1)[1][:3]
+              for c in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = [c for c in children if Path(f"/proc/{c}").exists()
+             and "Z" not in Path(f"/proc/{c}/stat").read_text().rsplit(")", 1)[1][:3]]
+    assert not alive, f"helpers outlived a SIGKILLed daemon: {alive}"
+
+
+def test_a_bad_header_is_refused_with_the_same_line_with_helpers(make_daemon: Any, tmp_path: Path) -> None:
+    ckpt = experts(tmp_path / "m", 2, 12_000)
+    shard = ckpt / "model-00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    header["layers.1.experts.7.w"]["data_offsets"] = [0, 1 << 40]
+    raw = json.dumps(header).encode()
+    shard.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
+    with_helpers, without = make_daemon("header_helpers = 2\n"), None
+    with with_helpers.client() as c:
+        first = outcome(lambda: c.load("moe", ckpt, device="cpu", wait=True))
+    with_helpers.stop()
+    without = make_daemon("header_helpers = 0\n", socket=tmp_path / "other.sock")
+    with without.client() as c:
+        second = outcome(lambda: c.load("moe", ckpt, device="cpu", wait=True))
+    assert first == second and first[0] == "LoadFailed" and "layers.1.experts.7.w" in first[1], (first, second)
