@@ -155,7 +155,8 @@ def test_a_helper_holds_only_its_socket_and_none_of_systemds_environment(monkeyp
     try:
         pool.start()
         (helper,) = pool._all
-        fds = {int(n): os.readlink(f"/proc/{helper.proc.pid}/fd/{n}") for n in os.listdir(f"/proc/{helper.proc.pid}/fd")}
+        where = f"/proc/{helper.proc.pid}/fd"
+        fds = {int(n): os.readlink(f"{where}/{n}") for n in os.listdir(where)}
         assert set(fds) == {0, 1, 2}, fds
         assert fds[0].startswith("socket:") and fds[1] == "/dev/null"
         env = Path(f"/proc/{helper.proc.pid}/environ").read_bytes().split(b"\0")
