@@ -534,6 +534,7 @@ class Checkpoint:
         self.fds = fds
         self.opened = tuple(FileState.of(fd) for fd in fds)
         self._unique = unique or len(headers) < 2  # one header's names are a dict's keys
+        self.helped = 0  # headers parsed by header helpers (`open`)
         self.fingerprinted: tuple[str, tuple[tuple[Any, bytes], ...]] | None = None
 
     @classmethod
@@ -552,7 +553,7 @@ class Checkpoint:
                 headers = tuple(parse_header(fd, file) for file, fd in files)
             else:
                 raws = [read_raw_header(fd, file) for file, fd in files]
-                columns = helpers.columns([(raw, size - start) for raw, start, size in raws])
+                columns, helped = helpers.columns([(raw, size - start) for raw, start, size in raws])
                 headers = tuple(header_from(file, *raw, cols) for (file, _), raw, cols in zip(files, raws, columns))
             if len(headers) > 1 and len(set(chain.from_iterable(h.names for h in headers))) != \
                     sum(len(h.names) for h in headers):
@@ -561,7 +562,9 @@ class Checkpoint:
                     if name in names:
                         raise LoadFailed(f"{p}: tensor {name!r} appears in more than one shard")
                     names.add(name)
-            return cls(p, headers, tuple(fd for _, fd in files), unique=True)
+            ckpt = cls(p, headers, tuple(fd for _, fd in files), unique=True)
+            ckpt.helped = 0 if helpers is None else helped
+            return ckpt
         except BaseException:
             for _, fd in files:
                 os.close(fd)

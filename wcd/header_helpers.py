@@ -26,6 +26,7 @@ import select
 import socket
 import sys
 import threading
+import time
 from array import array
 from collections import deque
 from collections.abc import Sequence
@@ -42,6 +43,7 @@ log = logging.getLogger("wcd")
 # (1,000 tensors: 90 KB, 0.7 ms). The pieces' threshold in `checkpoint` is the same size.
 MIN_HELPER_BYTES = 256 << 10
 READY_TIMEOUT_S = 10.0
+RETRY_S = 60.0
 # The systemd interface stays the daemon's: a helper must not notify, nor think it was activated.
 _NOT_INHERITED = ("NOTIFY_SOCKET", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES", "WATCHDOG_USEC", "WATCHDOG_PID")
 
@@ -86,30 +88,49 @@ class HeaderHelpers:
         self._idle: list[_Helper] = []
         self._all: set[_Helper] = set()
         self._closed = False
-        self._replacing = False
+        self._starting = False
+        self._retry_at = 0.0  # after a start failed: not before then
 
-    def start(self) -> None:
-        """Start the helpers not running yet, all at once, and wait until each is ready (blocking:
-        not from the loop). Raises if one cannot start."""
+    def start(self) -> bool:
+        """Bring the helpers up to `count` (blocking: not from the loop), each in use as soon as it
+        is ready, so a parse under way takes it. False (and one line) if one could not start."""
         with self._lock:
-            missing = 0 if self._closed else self.count - len(self._all)
-        started: list[_Helper] = []
+            if self._closed or self._starting:
+                return True
+            self._starting, missing = True, self.count - len(self._all)
+        pending: list[_Helper] = []
         try:
             for _ in range(missing):
-                started.append(_spawn())
-            for helper in started:
+                pending.append(_spawn())
+            while pending:
+                helper = pending[0]
                 helper.wait_ready()
-        except BaseException:
-            for helper in started:
+                pending.pop(0)
+                with self._lock:
+                    closed = self._closed
+                    if not closed:
+                        self._all.add(helper)
+                        self._idle.append(helper)
+                if closed:
+                    helper.close()
+            return True
+        except Exception as e:  # noqa: BLE001 - one line; the daemon parses headers itself
+            self._retry_at = time.monotonic() + RETRY_S
+            log.warning("cannot start a header helper (%s: %s): large headers are parsed in the daemon "
+                        "(tried again in %g s, when one is needed)", type(e).__name__, e, RETRY_S)
+            return False
+        finally:
+            for helper in pending:
                 helper.close()
-            raise
+            with self._lock:
+                self._starting = False
+
+    def start_soon(self) -> None:
+        """`start` in a thread of its own, unless one runs, all are up, or a start failed lately."""
         with self._lock:
-            if not self._closed:
-                self._all.update(started)
-                self._idle.extend(started)
+            if self._closed or self._starting or len(self._all) >= self.count or time.monotonic() < self._retry_at:
                 return
-        for helper in started:
-            helper.close()
+        threading.Thread(target=self.start, name="wcd-helpers", daemon=True).start()
 
     def close(self) -> None:
         with self._lock:
@@ -118,16 +139,18 @@ class HeaderHelpers:
         for helper in helpers:
             helper.close()
 
-    def columns(self, jobs: Sequence[tuple[bytes, int]]) -> list[Columns | None]:
+    def columns(self, jobs: Sequence[tuple[bytes, int]]) -> tuple[list[Columns | None], int]:
         """Each job's (raw header, data section size) columns, or None where the header is not
-        valid (`header_columns`). Large headers go to idle helpers; the calling thread parses the
-        rest, and any whose helper went, while the helpers work."""
+        valid (`header_columns`), and how many the helpers parsed. Large headers go to idle
+        helpers; the calling thread parses the rest, and any whose helper went, meanwhile."""
         from wcd.checkpoint import header_columns
         from wcd.gcpause import gc_paused
 
         results: list[Columns | None] = [None] * len(jobs)
         far = deque(i for i, (raw, _) in enumerate(jobs) if len(raw) >= MIN_HELPER_BYTES)
         near = [i for i, (raw, _) in enumerate(jobs) if len(raw) < MIN_HELPER_BYTES][::-1]
+        if far and len(self._all) < self.count:  # none started yet (a parse before READY), or one lost
+            self.start_soon()
         busy: dict[int, tuple[_Helper, int]] = {}  # by socket fd
         poll = select.poll()  # not select(): the daemon's descriptors go past FD_SETSIZE
         here = 0
@@ -144,8 +167,7 @@ class HeaderHelpers:
                     busy[helper.sock.fileno()] = helper, i
                     poll.register(helper.sock, select.POLLIN)
                 if not (near or far or busy):
-                    log.debug("headers parsed: %d by helpers, %d in the daemon", len(jobs) - here, here)
-                    return results
+                    return results, len(jobs) - here
                 # Collect what helpers have finished; wait for them only when nothing is left to parse here.
                 ready = poll.poll(None if not (near or far) else 0) if busy else []
                 for fd, _ in ready:
@@ -179,24 +201,12 @@ class HeaderHelpers:
         helper.close()
 
     def _lose(self, helper: _Helper) -> None:
-        """Drop a helper that failed and start another in the background (one at a time)."""
+        """Drop a helper that failed; another is started in the background."""
         with self._lock:
             self._all.discard(helper)
-            replace = not self._closed and not self._replacing
-            self._replacing = self._replacing or replace
         helper.close()
         log.warning("a header helper (pid %d) failed; its header is parsed in the daemon", helper.proc.pid)
-        if replace:
-            threading.Thread(target=self._replace, name="wcd-helpers", daemon=True).start()
-
-    def _replace(self) -> None:
-        try:
-            self.start()
-        except Exception as e:  # noqa: BLE001 - one line, and the daemon parses headers itself
-            log.warning("cannot start a header helper (%s): headers are parsed in the daemon", e)
-        finally:
-            with self._lock:
-                self._replacing = False
+        self.start_soon()
 
 
 def _spawn() -> _Helper:

@@ -202,8 +202,9 @@ class Residency:
                 manifest = await asyncio.to_thread(ckpt.manifest)
             finally:
                 fingerprint = await fingerprinting
-            log.info("admitting %s: %d shards, headers read in %.3f s, fingerprint and layout %.3f s", name,
-                     len(ckpt.fds), opened - started, time.monotonic() - opened)
+            log.info("admitting %s: %d shards, headers read in %.3f s%s, fingerprint and layout %.3f s", name,
+                     len(ckpt.fds), opened - started, f" ({ckpt.helped} by helpers)" if ckpt.helped else "",
+                     time.monotonic() - opened)
             key = WeightCacheKey(model=name, path=str(ckpt.path), fingerprint=fingerprint, device=canonical)
             nbytes = backend_for(canonical).arena_size(manifest.size, canonical)
             if replacing is not None:
@@ -223,14 +224,6 @@ class Residency:
         daemon = self.state.config.daemon
         backend.configure(daemon.staging_linger_s, direct_reads=daemon.cold_reads == "direct")
         return backend
-
-    def start_helpers(self) -> None:
-        """Start the header helper processes (blocking: from the thread that starts the workers)."""
-        try:
-            self.helpers.start()
-        except Exception as e:  # noqa: BLE001 - one line; the daemon parses headers itself
-            log.warning("cannot start header helpers (%s: %s): headers are parsed in the daemon",
-                        type(e).__name__, e)
 
     def warm_backends(self) -> None:
         """Import the GPU backend (cuda-bindings: 18-25 ms holding the GIL on the H200 hosts) now,

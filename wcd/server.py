@@ -110,7 +110,8 @@ class Server:
                  counted - began, admitted - counted, ready - admitted)
         self.residency.start_checks()
         workers.start_all([executor.start_all, *(pool.start_all for pool in self.residency.pools),
-                           start_closers, self.residency.warm_backends, self.residency.start_helpers])
+                           start_closers, self.residency.warm_backends,
+                           self.residency.helpers.start])
         self._spawn(self._report_status())
         self._spawn(self._warm_schemas())
         self._spawn(self._warm_metrics())

@@ -150,7 +150,7 @@ def loop_executor() -> Pool:
     return Pool(min(32, (os.cpu_count() or 1) + 4), "wcd-worker")
 
 
-def start_all(starters: Iterable[Callable[[], None]]) -> None:
+def start_all(starters: Iterable[Callable[[], object]]) -> None:
     """Run each starter in turn in a thread of its own; the loop is not waited on."""
     starters = list(starters)
 

@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import struct
+import sys
 import tempfile
 import threading
 import time
@@ -172,7 +173,46 @@ def test_closing_ends_the_helpers(tmp_path: Path) -> None:
     procs = [h.proc for h in pool._all]
     pool.close()
     assert all(p.returncode is not None for p in procs)
-    assert pool.columns([(b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}' + b" " * (300 << 10), 1)])[0]
+    results, helped = pool.columns([(b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}' + b" " * (300 << 10), 1)])
+    assert results[0] and helped == 0  # parsed here: no helper is started once closed
+    assert not pool._all
+
+
+def test_a_parse_before_the_helpers_are_up_starts_them_and_takes_each_when_ready(tmp_path: Path) -> None:
+    ckpt = experts(tmp_path / "m", 8, 12_000)
+    want = opened(ckpt)
+    pool = HeaderHelpers(2)  # not started: as for a configured model admitted before READY
+    try:
+        with Checkpoint.open(ckpt, helpers=pool) as got:
+            assert [h.names for h in got.headers] == [w[4] for w in want]
+        deadline = time.monotonic() + 20
+        while len(pool._idle) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(pool._idle) == 2  # started in the background by that parse
+        with Checkpoint.open(ckpt, helpers=pool) as again:
+            assert again.helped >= 2
+        assert opened(ckpt, pool) == want
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("python", ["/nonexistent/python3", "/bin/false"])
+def test_helpers_that_cannot_start_say_so_in_one_line_and_the_daemon_parses(
+        python: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    ckpt = experts(tmp_path / "m", 2, 12_000)
+    want = opened(ckpt)
+    monkeypatch.setattr(sys, "executable", python)
+    pool = HeaderHelpers(2)
+    try:
+        with caplog.at_level("WARNING", logger="wcd"):
+            assert pool.start() is False
+            assert opened(ckpt, pool) == want  # no retry before RETRY_S: nothing more is logged
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 1 and lines[0].startswith("cannot start a header helper (") and \
+            "large headers are parsed in the daemon" in lines[0], lines
+        assert not pool._all
+    finally:
+        pool.close()
 
 
 def test_default_count_is_a_helper_per_four_cores(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -208,8 +248,8 @@ def test_daemon_parses_a_large_checkpoint_with_its_helpers_and_they_end_with_it(
         entry = c.load("moe", ckpt, device="cpu", wait=True)
         assert entry["tensors"] == 48_000, entry
     log = d.log.read_text()
-    parsed = re.search(r"headers parsed: (\d+) by helpers, (\d+) in the daemon", log)
-    assert parsed and int(parsed[1]) >= 2 and int(parsed[1]) + int(parsed[2]) == 4, log  # both helpers took one
+    parsed = re.search(r"admitting moe: 4 shards, headers read in [0-9.]+ s \((\d) by helpers\)", log)
+    assert parsed and int(parsed[1]) >= 2, log  # both helpers took one
     assert "header helper" not in log  # none failed
     d.proc.kill()
     d.proc.wait()
