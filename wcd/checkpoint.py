@@ -203,7 +203,7 @@ def header_from(file: Path, raw: bytes, data_start: int, file_size: int, columns
 PARSE_PIECE_BYTES = 128 << 10
 
 
-def _decode(file: Path, raw: bytes) -> Any:
+def _decode(file: Path, raw: bytes, lenient: bool = True) -> Any:
     """The header as `json.loads` reads it. pydantic_core's parser (already a dependency, through
     pydantic) builds the same objects in about 60% of the time. It is stricter: of 200,000 fuzzed
     headers it never accepted one that `json.loads` refuses nor read one differently (duplicate keys:
@@ -217,7 +217,8 @@ def _decode(file: Path, raw: bytes) -> Any:
     try:
         return from_json(raw, allow_inf_nan=True)
     except ValueError:
-        pass
+        if not lenient:
+            raise LoadFailed(f"{file}: left to json.loads") from None
     try:
         return json.loads(raw)
     except (ValueError, RecursionError) as e:  # bad JSON, bad UTF-8, absurd integers, deep nesting
@@ -259,11 +260,12 @@ def _decode_in_pieces(raw: bytes) -> dict[str, Any] | None:
         start = after  # the next member's key
 
 
-def header_columns(raw: bytes, data_size: int) -> Columns | None:
+def header_columns(raw: bytes, data_size: int, lenient: bool = True) -> Columns | None:
     """The columns of a valid header with `data_size` bytes of data, or None for any header that
-    `_parse` refuses (which then says why): what a helper process computes (`wcd.header_helpers`)."""
+    `_parse` refuses (which then says why): what a helper process computes (`wcd.header_helpers`).
+    Not `lenient`: None also for a header that only `json.loads` reads (see `_decode`)."""
     try:
-        doc = _decode(Path(), raw)
+        doc = _decode(Path(), raw, lenient)
     except LoadFailed:
         return None
     if not isinstance(doc, dict):
@@ -552,7 +554,14 @@ class Checkpoint:
             if helpers is None:
                 headers = tuple(parse_header(fd, file) for file, fd in files)
             else:
-                raws = [read_raw_header(fd, file) for file, fd in files]
+                raws = []
+                for file, fd in files:
+                    try:
+                        raws.append(read_raw_header(fd, file))
+                    except LoadFailed:  # the first bad shard's error, as without helpers
+                        for (before, _), raw in zip(files, raws):
+                            header_from(before, *raw)
+                        raise
                 columns, helped = helpers.columns([(raw, size - start) for raw, start, size in raws])
                 headers = tuple(header_from(file, *raw, cols) for (file, _), raw, cols in zip(files, raws, columns))
             if len(headers) > 1 and len(set(chain.from_iterable(h.names for h in headers))) != \

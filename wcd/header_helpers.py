@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import select
 import socket
@@ -30,6 +31,7 @@ import time
 from array import array
 from collections import deque
 from collections.abc import Sequence
+from itertools import chain
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -44,6 +46,10 @@ log = logging.getLogger("wcd")
 MIN_HELPER_BYTES = 256 << 10
 READY_TIMEOUT_S = 10.0
 RETRY_S = 60.0
+# A helper that parsed a header this large keeps the heap it grew (a 10.8 MiB header: 20 -> 73 MB,
+# malloc_trim or not): it is replaced by a fresh one.
+RETIRE_BYTES = 8 << 20
+STALL_S = 5.0  # a send or read that makes no progress for this long fails (and see `answer_within`)
 # The systemd interface stays the daemon's: a helper must not notify, nor think it was activated.
 _NOT_INHERITED = ("NOTIFY_SOCKET", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES", "WATCHDOG_USEC", "WATCHDOG_PID")
 
@@ -58,18 +64,20 @@ class _Helper:
         self.proc, self.sock = proc, sock
 
     def send(self, raw: bytes, data_size: int) -> None:
+        self.sock.settimeout(STALL_S)  # a stopped helper reads nothing: the send fails, not hangs
         self.sock.sendall(len(raw).to_bytes(8, "little") + data_size.to_bytes(8, "little"))
         self.sock.sendall(raw)
 
-    def receive(self) -> Columns | None:
+    def receive(self, raw_len: int, data_size: int) -> Columns | None:
         n = int.from_bytes(_recv_exact(self.sock, 8), "little")
-        return _decode(_recv_exact(self.sock, n)) if n else None
+        if n > 2 * raw_len + (1 << 20):  # columns take less room than their JSON
+            raise ValueError(f"an answer of {n} bytes for a header of {raw_len}")
+        return _checked(_decode(_recv_exact(self.sock, n)), data_size) if n else None
 
     def wait_ready(self) -> None:
         self.sock.settimeout(READY_TIMEOUT_S)
         if self.sock.recv(1) != b"R":
             raise OSError(f"it exited before it was ready (status {self.proc.poll()})")
-        self.sock.settimeout(None)
 
     def close(self) -> None:
         self.sock.close()  # the helper reads EOF and ends; kill it in case it is stuck or stopped
@@ -77,6 +85,12 @@ class _Helper:
             self.proc.kill()
         with contextlib.suppress(Exception):
             self.proc.wait(5)
+
+
+def answer_within(raw_len: int) -> float:
+    """Seconds a helper has to answer for a header of `raw_len` bytes before the daemon parses it
+    itself (the VM parses ~25 MB/s; a stalled or stopped helper must not hold a load)."""
+    return STALL_S + raw_len / (4 << 20)
 
 
 class HeaderHelpers:
@@ -141,7 +155,7 @@ class HeaderHelpers:
 
     def columns(self, jobs: Sequence[tuple[bytes, int]]) -> tuple[list[Columns | None], int]:
         """Each job's (raw header, data section size) columns, or None where the header is not
-        valid (`header_columns`), and how many the helpers parsed. Large headers go to idle
+        valid (`header_columns`), and how many the helpers read. Large headers go to idle
         helpers; the calling thread parses the rest, and any whose helper went, meanwhile."""
         from wcd.checkpoint import header_columns
         from wcd.gcpause import gc_paused
@@ -151,9 +165,15 @@ class HeaderHelpers:
         near = [i for i, (raw, _) in enumerate(jobs) if len(raw) < MIN_HELPER_BYTES][::-1]
         if far and len(self._all) < self.count:  # none started yet (a parse before READY), or one lost
             self.start_soon()
-        busy: dict[int, tuple[_Helper, int]] = {}  # by socket fd
+        busy: dict[int, tuple[_Helper, int, float]] = {}  # by socket fd: the helper, its job, its deadline
         poll = select.poll()  # not select(): the daemon's descriptors go past FD_SETSIZE
-        here = 0
+        helped = 0
+
+        def drop(fd: int) -> tuple[_Helper, int]:
+            poll.unregister(fd)
+            helper, i, _ = busy.pop(fd)
+            return helper, i
+
         try:
             while True:
                 while far and (helper := self._take()) is not None:
@@ -164,29 +184,41 @@ class HeaderHelpers:
                         self._lose(helper)
                         far.appendleft(i)
                         continue
-                    busy[helper.sock.fileno()] = helper, i
+                    busy[helper.sock.fileno()] = helper, i, time.monotonic() + answer_within(len(jobs[i][0]))
                     poll.register(helper.sock, select.POLLIN)
                 if not (near or far or busy):
-                    return results, len(jobs) - here
-                # Collect what helpers have finished; wait for them only when nothing is left to parse here.
-                ready = poll.poll(None if not (near or far) else 0) if busy else []
+                    return results, helped
+                # Collect what helpers have finished; wait for them only when nothing is left to
+                # parse here, and never past a helper's deadline: then its header is parsed here.
+                wait_ms = 0
+                if busy and not (near or far):
+                    wait_ms = max(0, math.ceil((min(d for _, _, d in busy.values()) - time.monotonic()) * 1e3))
+                ready = poll.poll(wait_ms) if busy else []
                 for fd, _ in ready:
-                    poll.unregister(fd)
-                    helper, i = busy.pop(fd)
+                    helper, i = drop(fd)
                     try:
-                        results[i] = helper.receive()
-                    except (OSError, ValueError, TypeError, EOFError):
+                        results[i] = helper.receive(len(jobs[i][0]), jobs[i][1])
+                    except Exception:  # noqa: BLE001 - whatever went wrong there, it is parsed here
                         self._lose(helper)
-                        near.append(i)  # parsed here, whatever went wrong there
+                        near.append(i)
                         continue
-                    self._give(helper)
+                    if len(jobs[i][0]) >= RETIRE_BYTES:
+                        self._retire(helper)  # its heap grew with that header: a fresh one instead
+                    else:
+                        self._give(helper)
+                    helped += results[i] is not None  # None: left to the daemon (which says why)
+                if not ready and busy and not (near or far):
+                    now = time.monotonic()
+                    for fd in [fd for fd, (_, _, deadline) in busy.items() if deadline <= now]:
+                        helper, i = drop(fd)
+                        self._lose(helper)
+                        near.append(i)
                 if not ready and (near or far):
                     i = near.pop() if near else far.pop()  # the helpers take from the front
                     with gc_paused():
                         results[i] = header_columns(*jobs[i])
-                    here += 1
         finally:
-            for helper, _ in busy.values():  # interrupted (never by design): their answers are not read
+            for helper, _, _ in busy.values():  # interrupted: their answers are not read
                 self._lose(helper)
 
     def _take(self) -> _Helper | None:
@@ -200,13 +232,22 @@ class HeaderHelpers:
                 return
         helper.close()
 
+    def _retire(self, helper: _Helper) -> None:
+        with self._lock:
+            self._all.discard(helper)
+        helper.close()
+        self.start_soon()
+
     def _lose(self, helper: _Helper) -> None:
         """Drop a helper that failed; another is started in the background."""
         with self._lock:
             self._all.discard(helper)
+            closed = self._closed
         helper.close()
-        log.warning("a header helper (pid %d) failed; its header is parsed in the daemon", helper.proc.pid)
-        self.start_soon()
+        if not closed:
+            log.warning("a header helper (pid %d) failed or stalled; its header is parsed in the daemon",
+                        helper.proc.pid)
+            self.start_soon()
 
 
 def _spawn() -> _Helper:
@@ -215,8 +256,12 @@ def _spawn() -> _Helper:
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     env = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "wcd.header_helpers"], stdin=theirs.fileno(),
-                                stdout=subprocess.DEVNULL, env=env, close_fds=True)
+        # The daemon's own import path, so a helper runs the daemon's wcd (`-m` would put the
+        # working directory first: a `wcd/` there would be imported instead).
+        path = [entry for entry in sys.path if entry]  # "" is a working directory too
+        code = f"import sys; sys.path[:] = {path!r}; from wcd.header_helpers import main; main()"
+        proc = subprocess.Popen([sys.executable, "-c", code], stdin=theirs.fileno(), stdout=subprocess.DEVNULL,
+                                env=env, close_fds=True)
     except BaseException:
         mine.close()
         raise
@@ -242,6 +287,25 @@ def _decode(payload: bytes) -> Columns:
         shape_ids = array("I")
         shape_ids.frombytes(ids)
         return names, codes, shapes, shape_ids, list(begins), list(ends), list(sizes), contiguous
+
+
+def _checked(columns: Columns, data_size: int) -> Columns:
+    """The columns as a helper sent them, if they are of the shape `header_columns` makes: each
+    column as long as the names, of its type, and every tensor within the data section (C-level
+    passes; what they hold was checked by the helper's run of the daemon's code)."""
+    from wcd.manifest import DTYPES
+
+    names, codes, shapes, ids, begins, ends, sizes, contiguous = columns
+    n = len(names)
+    ok = (type(names) is tuple and type(codes) is bytes and type(shapes) is tuple and type(contiguous) is bool
+          and len(codes) == len(ids) == len(begins) == len(ends) == len(sizes) == n
+          and set(map(type, names)) <= {str} and set(map(type, chain(begins, ends, sizes))) <= {int}
+          and set(map(type, shapes)) <= {tuple} and set(map(type, chain.from_iterable(shapes))) <= {int}
+          and (not n or (max(codes) < len(DTYPES) and max(ids) < len(shapes) and min(begins) >= 0
+                         and max(ends) <= data_size)))
+    if not ok:
+        raise ValueError("columns that are not a header's")
+    return columns
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -270,7 +334,9 @@ def _serve(sock: socket.socket) -> None:
         n, data_size = int.from_bytes(head[:8], "little"), int.from_bytes(head[8:], "little")
         raw, columns = _recv_exact(sock, n), None
         try:
-            columns = header_columns(raw, data_size)
+            # Only what pydantic_core reads: `json.loads`'s refusals depend on the caller's stack
+            # depth (nesting), so headers only it would read are the daemon's to parse.
+            columns = header_columns(raw, data_size, lenient=False)
             payload = b"" if columns is None else _encode(columns)
         except Exception:  # noqa: BLE001 - whatever fails here, the daemon parses it and says why
             payload = b""
@@ -278,6 +344,12 @@ def _serve(sock: socket.socket) -> None:
         sock.sendall(len(payload).to_bytes(8, "little") + payload)
 
 
-if __name__ == "__main__":
-    with contextlib.suppress(EOFError, ConnectionError, KeyboardInterrupt):
+def main() -> None:
+    import signal
+
+    # A stop (systemd signals the whole unit; a terminal's ^C the whole group) is the daemon's to
+    # handle: a helper ends when the daemon's end of its socket closes.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with contextlib.suppress(EOFError, ConnectionError):
         _serve(socket.socket(fileno=0))

@@ -53,6 +53,7 @@ CHECK_RETRY_S = (1.0, 2.0, 4.0, 8.0, 16.0)
 FILL_WORKERS = 4  # loads filling at once; each runs `load_workers` reader threads of its own
 Spawn = Callable[[Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]
 T = TypeVar("T")
+U = TypeVar("U")
 Digests = dict[str, str]
 ADOPTING_NOTE = "re-adopted from systemd's fd store: checking it before serving"
 # How long shutdown waits for the driver to let go of arenas and lingering GPU staging: a hung
@@ -116,6 +117,7 @@ class Residency:
         self.pools = (self._digest_pool, self._fill_pool)
         helpers = state.config.daemon.header_helpers
         self.helpers = HeaderHelpers(default_helpers() if helpers is None else helpers)
+        self._parse_with = self.helpers if self.helpers.count else None  # Checkpoint.open's `helpers`
 
     # -- devices ----------------------------------------------------------------------------
 
@@ -192,16 +194,12 @@ class Residency:
         canonical = self.canonical_device(device)
         self._prepare(canonical)
         started = time.monotonic()
-        ckpt = await asyncio.to_thread(Checkpoint.open, path, follow_links, helpers=self.helpers)
+        ckpt = await asyncio.to_thread(Checkpoint.open, path, follow_links, helpers=self._parse_with)
         opened = time.monotonic()
         try:
             # 100,000 tensors take tens of ms to lay out: off the loop, like the reads, and beside the
             # fingerprint, which hashes and reads with the GIL released (10 MB of headers at 100,000).
-            fingerprinting = asyncio.ensure_future(asyncio.to_thread(key_fingerprint, ckpt))
-            try:
-                manifest = await asyncio.to_thread(ckpt.manifest)
-            finally:
-                fingerprint = await fingerprinting
+            fingerprint, manifest = await _both(lambda: key_fingerprint(ckpt), ckpt.manifest)
             log.info("admitting %s: %d shards, headers read in %.3f s%s, fingerprint and layout %.3f s", name,
                      len(ckpt.fds), opened - started, f" ({ckpt.helped} by helpers)" if ckpt.helped else "",
                      time.monotonic() - opened)
@@ -409,7 +407,7 @@ class Residency:
             if not Path(entry.key.path).exists():
                 raise NotFound(f"{entry.key.path} is gone: nothing to verify {entry.name!r} against")
             ckpt = await asyncio.to_thread(Checkpoint.open, entry.key.path, self._follow_links(entry.name),
-                                           helpers=self.helpers)
+                                           helpers=self._parse_with)
             try:
                 # One pass: each worker reads a range of the arena and the same tensors' bytes from
                 # the files, compares them and hashes the arena's side only.
@@ -709,7 +707,6 @@ class Residency:
         self._unchecked = []
         for pool in self.pools:
             pool.shutdown(wait=False, cancel_futures=True)
-        self.helpers.close()
         arenas = [(e.name, e.arena) for e in self.cache.entries.values() if e.arena is not None]
         backends = loaded_backends()
         arenas_left, staging_left = len(arenas), [what for b in backends for what in b.lingering()]
@@ -718,6 +715,7 @@ class Residency:
         def release() -> None:
             nonlocal arenas_left, staging_left
             try:
+                self.helpers.close()  # kills and reaps them: not on the loop
                 for name, arena in arenas:
                     try:
                         arena.close()  # deferred while a worker holds it; its next read stops it
@@ -769,6 +767,26 @@ def _quiet(future: asyncio.Future[Any]) -> None:
     """Retrieve a background future's failure so it is not logged as never retrieved."""
     if not future.cancelled():
         future.exception()
+
+
+async def _both(first: Callable[[], T], second: Callable[[], U]) -> tuple[T, U]:
+    """Run two calls in threads at once and return both results, or raise the first's error, then
+    the second's, only once both have ended (they read through descriptors their caller closes on
+    an error). Cancelled, it still waits for both before the CancelledError goes on."""
+    calls = asyncio.ensure_future(asyncio.to_thread(first)), asyncio.ensure_future(asyncio.to_thread(second))
+    try:
+        await asyncio.shield(asyncio.wait(calls))
+    except asyncio.CancelledError:
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait(calls)
+        for call in calls:
+            if call.done() and not call.cancelled():
+                call.exception()  # retrieved: the cancellation is what goes on
+        raise
+    for error in [call.exception() for call in calls]:  # both retrieved
+        if error is not None:
+            raise error
+    return calls[0].result(), calls[1].result()
 
 
 def _unstore(name: str) -> None:

@@ -90,7 +90,9 @@ class Daemon:
                 time.sleep(0.1)
 
     def client(self) -> Client:
-        return Client(self.socket, heartbeats=False)
+        # Heartbeats on: the daemon's leases last 3 s here, and a test may hold one across a slow
+        # first step (torch._dynamo's first import took over 3 s on the 2-core CI machine).
+        return Client(self.socket)
 
     def entries(self) -> list[dict[str, Any]]:
         with self.client() as c:

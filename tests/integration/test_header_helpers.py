@@ -11,16 +11,19 @@ import json
 import os
 import re
 import signal
+import socket
 import struct
+import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -111,12 +114,12 @@ def test_a_helper_killed_mid_parse_is_replaced_and_its_header_parsed_here(tmp_pa
 
         killed = []
 
-        def killed_first(self: header_helpers._Helper) -> Any:
+        def killed_first(self: header_helpers._Helper, *args: int) -> Any:
             if self is victim and not killed:
                 os.kill(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
                 killed.append(self)
-            return receive(self)
+            return receive(self, *args)
 
         header_helpers._Helper.receive = killed_first  # type: ignore[method-assign]
         try:
@@ -279,3 +282,154 @@ def test_a_bad_header_is_refused_with_the_same_line_with_helpers(make_daemon: An
     with without.client() as c:
         second = outcome(lambda: c.load("moe", ckpt, device="cpu", wait=True))
     assert first == second and first[0] == "LoadFailed" and "layers.1.experts.7.w" in first[1], (first, second)
+
+
+def test_a_stopped_helper_does_not_hold_a_load(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """SIGSTOPped (or swapped out, or wedged): past its deadline its header is parsed here, and it goes."""
+    monkeypatch.setattr(header_helpers, "STALL_S", 0.5)
+    ckpt = experts(tmp_path / "m", 2, 12_000)
+    want = opened(ckpt)
+    pool = HeaderHelpers(1)
+    pool.start()
+    try:
+        (stopped,) = pool._all
+        os.kill(stopped.proc.pid, signal.SIGSTOP)
+        began = time.monotonic()
+        assert opened(ckpt, pool) == want
+        assert time.monotonic() - began < 5, "the load waited on a stopped helper"
+        assert stopped not in pool._all and stopped.proc.returncode is not None  # killed and reaped
+    finally:
+        pool.close()
+
+
+def test_a_helper_ignores_the_stop_signals_and_ends_at_eof() -> None:
+    pool = HeaderHelpers(1)
+    pool.start()
+    try:
+        (helper,) = pool._all
+        os.kill(helper.proc.pid, signal.SIGTERM)  # systemd signals the whole unit at a stop
+        os.kill(helper.proc.pid, signal.SIGINT)  # a terminal's ^C the whole process group
+        time.sleep(0.3)
+        assert helper.proc.poll() is None
+        helper.sock.shutdown(socket.SHUT_WR)  # the daemon's end closing: EOF
+        assert helper.proc.wait(10) == 0
+    finally:
+        pool.close()
+
+
+def fake_helper(pool: HeaderHelpers, answer: Callable[[bytes, int], bytes]) -> header_helpers._Helper:
+    """A helper whose answers `answer(raw, data_size)` makes up, for what a broken one could send."""
+    mine, theirs = socket.socketpair()
+    proc = subprocess.Popen(["sleep", "60"])
+
+    def serve() -> None:
+        with theirs:
+            while head := theirs.recv(16, socket.MSG_WAITALL):
+                n, data_size = int.from_bytes(head[:8], "little"), int.from_bytes(head[8:], "little")
+                theirs.sendall(answer(theirs.recv(n, socket.MSG_WAITALL), data_size))
+
+    threading.Thread(target=serve, daemon=True).start()
+    fake = header_helpers._Helper(proc, mine)
+    pool._all.add(fake)
+    pool._idle.append(fake)
+    return fake
+
+
+def sized(payload: bytes) -> bytes:
+    return len(payload).to_bytes(8, "little") + payload
+
+
+def wrong_columns(raw: bytes, data_size: int, change: Callable[[list[Any]], None]) -> bytes:
+    from wcd.checkpoint import header_columns
+
+    columns = list(header_columns(raw, data_size))
+    change(columns)
+    return sized(header_helpers._encode(tuple(columns)))
+
+
+GARBAGE: dict[str, Callable[[bytes, int], bytes]] = {
+    "a huge length": lambda raw, size: (2**64 - 1).to_bytes(8, "little"),
+    "not msgpack": lambda raw, size: sized(b"\xc1" * 64),
+    "too few columns": lambda raw, size: sized(msgpack.packb([1, 2, 3])),
+    "a name short": lambda raw, size: wrong_columns(raw, size, lambda c: c.__setitem__(0, c[0][:-1])),
+    "past the data": lambda raw, size: wrong_columns(raw, size, lambda c: c[5].__setitem__(-1, size + 1)),
+    "a bad dtype code": lambda raw, size: wrong_columns(raw, size, lambda c: c.__setitem__(1, b"\xff" * len(c[1]))),
+    "ints as floats": lambda raw, size: wrong_columns(raw, size, lambda c: c.__setitem__(4, [float(b) for b in c[4]])),
+}
+
+
+@pytest.mark.parametrize("garbage", list(GARBAGE))
+def test_a_helper_that_answers_garbage_is_dropped_and_its_header_parsed_here(garbage: str, tmp_path: Path) -> None:
+    ckpt = experts(tmp_path / "m", 1, 12_000)
+    want = opened(ckpt)
+    pool = HeaderHelpers(0)  # none of its own: only the fake
+    try:
+        fake = fake_helper(pool, GARBAGE[garbage])
+        with Checkpoint.open(ckpt, helpers=pool) as got:
+            assert got.helped == 0
+        assert opened(ckpt, pool) == want
+        assert fake not in pool._all and not pool._idle
+    finally:
+        pool.close()
+
+
+def test_the_first_bad_shard_is_named_whether_its_header_or_its_length_is_bad(helpers: HeaderHelpers,
+                                                                              tmp_path: Path) -> None:
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "m-00000.safetensors").write_bytes(struct.pack("<Q", 3) + b"{x}")  # not JSON
+    (d / "m-00001.safetensors").write_bytes(struct.pack("<Q", 1 << 20) + b"{}")  # implausible length
+    without = outcome(partial(opened, d))
+    assert without[0] == "LoadFailed" and "m-00000" in without[1]
+    assert outcome(partial(opened, d, helpers)) == without
+
+
+@pytest.mark.parametrize("depth", [50, 600, 100_000])
+def test_nesting_only_json_loads_reads_is_left_to_the_daemon(helpers: HeaderHelpers, depth: int,
+                                                             tmp_path: Path) -> None:
+    """pydantic_core refuses deep nesting; `json.loads` reads it or not by its caller's stack depth,
+    so a helper (another stack) leaves such a header to the daemon."""
+    meta = "[" * depth + "]" * depth
+    entries = ",".join(f'"t{k}":{{"dtype":"U8","shape":[1],"data_offsets":[{k},{k + 1}]}}' for k in range(20_000))
+    raw = f'{{"__metadata__":{meta},{entries}}}'.encode()
+    file = tmp_path / "m.safetensors"
+    file.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * 20_000)
+    want = outcome(partial(opened, file))
+    assert want[0] == ("LoadFailed" if depth == 100_000 else "ok")
+    assert outcome(partial(opened, file, helpers)) == want
+    if want[0] == "ok":
+        with Checkpoint.open(file, helpers=helpers) as got:
+            assert got.helped == (depth == 50)
+
+
+def test_a_helper_imports_the_daemons_wcd_not_one_in_the_working_directory(monkeypatch: pytest.MonkeyPatch,
+                                                                           tmp_path: Path) -> None:
+    planted = tmp_path / "wcd"
+    planted.mkdir()
+    (planted / "__init__.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
+    monkeypatch.chdir(tmp_path)
+    pool = HeaderHelpers(1)
+    try:
+        assert pool.start()
+        assert len(pool._idle) == 1
+    finally:
+        pool.close()
+    assert not (tmp_path / "ran").exists()
+
+
+def test_a_helper_that_parsed_a_huge_header_is_replaced_by_a_fresh_one(monkeypatch: pytest.MonkeyPatch,
+                                                                         tmp_path: Path) -> None:
+    monkeypatch.setattr(header_helpers, "RETIRE_BYTES", 0)  # every header counts as huge
+    ckpt = experts(tmp_path / "m", 1, 12_000)
+    pool = HeaderHelpers(1)
+    pool.start()
+    try:
+        before = helper_pids(pool)
+        with Checkpoint.open(ckpt, helpers=pool) as got:
+            assert got.helped == 1
+        deadline = time.monotonic() + 20
+        while (not pool._idle or helper_pids(pool) == before) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(pool._idle) == 1 and helper_pids(pool) != before
+    finally:
+        pool.close()

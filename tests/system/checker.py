@@ -1,6 +1,6 @@
 """Runs inside the test container, under the container's own python3 (no torch, no numpy).
 
-    checker.py make PATH --seed N [--shards K]   write a safetensors checkpoint (a directory of K
+    checker.py make PATH --seed N [--shards K] [--tensors T]   write a safetensors checkpoint (a directory of K
                                                   shards, or one file when PATH ends in .safetensors)
     checker.py check SOCKET NAME PATH             attach NAME through wcd.client and compare every
                                                   tensor's bytes with the checkpoint at PATH
@@ -24,16 +24,16 @@ from pathlib import Path
 DTYPES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "U8": 1, "I8": 1, "BOOL": 1}
 
 
-def make(path: Path, seed: int, shards: int) -> dict:
+def make(path: Path, seed: int, shards: int, count: int = 30) -> dict:
     rng = random.Random(seed)
     names = list(DTYPES)
     tensors: list[tuple[str, str, list[int], bytes]] = []
-    for i in range(30):
+    for i in range(count):
         dtype = names[i % len(names)]
         if i == 7:
             shape: list[int] = []  # a scalar
-        else:
-            shape = [rng.randint(1, 700) for _ in range(rng.randint(1, 3))]
+        else:  # past 30 tensors, small ones (a MoE checkpoint's many experts: a large header)
+            shape = [rng.randint(1, 700 if count <= 30 else 8) for _ in range(rng.randint(1, 3))]
             while _count(shape) * DTYPES[dtype] > 2_000_000:
                 shape[0] = max(1, shape[0] // 2)
         n = _count(shape) * DTYPES[dtype]
@@ -138,12 +138,16 @@ def main() -> None:
     m.add_argument("path", type=Path)
     m.add_argument("--seed", type=int, required=True)
     m.add_argument("--shards", type=int, default=1)
+    m.add_argument("--tensors", type=int, default=30)
     c = sub.add_parser("check")
     c.add_argument("socket")
     c.add_argument("name")
     c.add_argument("path", type=Path)
     args = parser.parse_args()
-    result = make(args.path, args.seed, args.shards) if args.cmd == "make" else check(args.socket, args.name, args.path)
+    if args.cmd == "make":
+        result = make(args.path, args.seed, args.shards, args.tensors)
+    else:
+        result = check(args.socket, args.name, args.path)
     print(json.dumps(result))
 
 

@@ -79,9 +79,9 @@ def wait_for(what: str, probe: Callable[[], T], timeout: float = 30, interval: f
         time.sleep(interval)
 
 
-def check(box: nspawn.Container, name: str, checkpoint: str) -> dict:
+def check(box: nspawn.Container, name: str, checkpoint: str, sock: str = SOCK) -> dict:
     """Attach `name` and compare every tensor with `checkpoint` (checker.py exits 1 on a difference)."""
-    return json.loads(box.out(f"{CHECKER} check {SOCK} {name} {checkpoint}", timeout=60))
+    return json.loads(box.out(f"{CHECKER} check {sock} {name} {checkpoint}", timeout=60))
 
 
 def status(box: nspawn.Container) -> dict:
@@ -272,3 +272,30 @@ def test_metrics_over_http_with_the_drop_in_the_unit_documents(box):
     text = wait_for("a scrape of /metrics", lambda: box.run(METRICS_FETCH, check=False).stdout, timeout=20)
     assert 'wcd_device_budget_bytes{device="cpu"}' in text and "wcd_connections 0.0" in text
     box.run(f"systemctl stop {unit} wcd@scraped.socket", timeout=60)
+
+
+MOE = f"{MODELS}/moe"
+
+
+def test_header_helpers_run_in_the_units_sandbox_and_end_with_it(box):
+    """A large header (8,000 tensors in 2 shards) goes to a helper process under the unit's
+    sandbox (seccomp filter, no capabilities): it starts, parses, runs as wcd, ends at stop."""
+    unit, sock = "wcd@moe.service", "/run/wcd/moe.sock"
+    made = json.loads(box.out(f"{CHECKER} make {MOE} --seed 4 --shards 2 --tensors 8000", timeout=60))
+    box.write("/etc/wcd/moe.toml", f'[daemon]\nallowed_uids = [0]\nheader_helpers = 1\nbudget = {{ cpu = "1GiB" }}\n'
+                                   f'\n[[models]]\nname = "moe"\npath = "{MOE}"\n')
+    box.run(f"systemctl start {unit}", timeout=60)
+    pid = int(box.show(unit, "MainPID"))
+    helpers = wait_for("a header helper under the unit", lambda: box.run(
+        f"ps -o user=,args= --ppid {pid}", check=False).stdout.strip())
+    assert helpers.split()[0] == "wcd" and "wcd.header_helpers" in helpers, helpers
+    got = check(box, "moe", MOE, sock)
+    assert (got["tensors"], got["bytes"], got["digest"]) == (made["tensors"], made["bytes"], made["digest"])
+    box.run(f"wcdctl --socket {sock} load again {MOE} --wait", timeout=60)  # the helper is up by now
+    got = check(box, "again", MOE, sock)
+    assert (got["tensors"], got["digest"]) == (made["tensors"], made["digest"])
+    log = journal(box, f"_PID={pid}")
+    assert "admitting again: 2 shards, headers read in" in log and "(1 by helpers)" in log, log
+    assert "header helper" not in log, log  # none failed or could not start
+    box.run(f"systemctl stop {unit} wcd@moe.socket", timeout=60)
+    assert box.run("pgrep -f 'wcd[.]header_helpers'", check=False).stdout == ""

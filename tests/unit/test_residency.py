@@ -94,3 +94,40 @@ def test_a_release_that_fails_is_one_line_and_shutdown_goes_on(
     [line] = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert line.getMessage() == "releasing load staging: CUDA cuDevicePrimaryCtxRelease failed: CUDA_ERROR_UNKNOWN"
     assert line.exc_info is None
+
+
+def test_both_waits_for_both_calls_whatever_ends_it() -> None:
+    """`_both` returns only once both threads have ended: on an error of either (the first's is
+    raised), and when cancelled (the CancelledError goes on, not a call's error)."""
+    import time
+
+    from wcd.errors import LoadFailed
+    from wcd.residency import _both
+
+    ended: list[str] = []
+
+    def slow(name: str, fail: bool = False) -> str:
+        time.sleep(0.2)
+        ended.append(name)
+        if fail:
+            raise LoadFailed(name)
+        return name
+
+    async def main() -> None:
+        assert await _both(lambda: slow("a"), lambda: slow("b")) == ("a", "b")
+        ended.clear()
+        with pytest.raises(LoadFailed, match="b"):
+            await _both(lambda: "quick", lambda: slow("b", fail=True))
+        ended.clear()
+        with pytest.raises(LoadFailed, match="a"):  # the first's error, the second's retrieved
+            await _both(lambda: slow("a", fail=True), lambda: slow("b", fail=True))
+        assert sorted(ended) == ["a", "b"]
+        ended.clear()
+        task = asyncio.ensure_future(_both(lambda: slow("a", fail=True), lambda: slow("b")))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert sorted(ended) == ["a", "b"]  # both ended before the cancellation went on
+
+    asyncio.run(main())
