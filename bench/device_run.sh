@@ -22,7 +22,8 @@
 #                                     cold); bench_admit's phases and parse floor at 100k
 #   bash bench/device_run.sh front    cold read patterns on 1.6 GB (fastsafetensors' 16 x 512 KiB O_DIRECT front and
 #                                     neighbours), then fastsafetensors and wcd cold
-#   bash bench/device_run.sh helpers  bench_admit with header helpers; 1.6 GB warm loads with and without them
+#   bash bench/device_run.sh round6   GPU tests; the helpers A/B three times; restart with a 100k entry kept
+#   bash bench/device_run.sh helpers [N]  bench_admit with header helpers; 1.6 GB warm loads with and without them
 #   bash bench/device_run.sh round5b  GPU tests; restart (oldtree/ compiled, and this tree); cold 1.6 GB with 4/8/16
 #                                     load workers beside fastsafetensors; 1.6 GB warm 1k/100k; 16 GB warm
 # Logs and JSON land in $OUT (the device tool brings them back).
@@ -178,11 +179,20 @@ print('primary context: retain', round((time.perf_counter() - t) * 1e3, 1), 'ms;
     grep -E "admitting|filled from|loaded" "$OUT"/daemon-small*.log | cut -c1-220
     timeout 100 python3 bench/bench_admit.py --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --ckpt 1.6:100000 --reps 5 \
       2>&1 | tee "$OUT/admit.txt" | tail -3 ;;
+  round6)  # GPU tests; the helpers A/B three times; restart of this tree (GPU and host)
+    timeout 150 python3 -m pytest tests/gpu -v -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
+      | grep -E "FAILED|ERROR|passed|failed" | cut -c1-300
+    bash "$0" helpers 3
+    for dev in cuda:0 cpu; do
+      timeout 60 python3 bench/bench_restart.py --device $dev --ckpt /tmp/wcd-bench-load/1.6gb-100000 --restarts 5 \
+        > "$OUT/restart-$dev.json" 2>"$OUT/restart-err.log"
+      echo "restart $dev $(python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print([round(x,3) for x in d['exec_to_ready_s']], d['daemon_says'][-1][:150])" "$OUT/restart-$dev.json" 2>&1)"
+    done ;;
   helpers)  # bench_admit with 4 header helpers; 1.6 GB 1k/100k warm loads, helpers (default) and none, alternated
     timeout 120 python3 bench/bench_admit.py --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --ckpt 1.6:100000 --reps 7 \
       --helpers 4 2>&1 | tee "$OUT/admit.txt" | tail -3
     mkdir -p "$OUT/logs"
-    for round in 1 2; do for h in default 0; do
+    for round in $(seq 1 "${2:-2}"); do for h in default 0; do
       cfg=""; [ $h = 0 ] && cfg="header_helpers = 0"
       BENCH_DAEMON_CONFIG="$cfg" BENCH_DAEMON_LOG_LEVEL=debug timeout 150 python3 bench/bench_load.py --device cuda:0 \
         --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --ckpt 1.6:100000 --reps 3 --loaders wcd \

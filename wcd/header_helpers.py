@@ -30,7 +30,7 @@ import threading
 import time
 from array import array
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import chain
 from typing import TYPE_CHECKING
 
@@ -260,8 +260,10 @@ def _spawn() -> _Helper:
         # working directory first: a `wcd/` there would be imported instead).
         path = [entry for entry in sys.path if entry]  # "" is a working directory too
         code = f"import sys; sys.path[:] = {path!r}; from wcd.header_helpers import main; main()"
-        proc = subprocess.Popen([sys.executable, "-c", code], stdin=theirs.fileno(), stdout=subprocess.DEVNULL,
-                                env=env, close_fds=True)
+        flags = [flag for flag, on in (("-I", sys.flags.isolated), ("-S", sys.flags.no_site),
+                                       ("-s", sys.flags.no_user_site), ("-E", sys.flags.ignore_environment)) if on]
+        proc = subprocess.Popen([sys.executable, *flags, "-c", code], stdin=theirs.fileno(),
+                                stdout=subprocess.DEVNULL, env=env, close_fds=True)
     except BaseException:
         mine.close()
         raise
@@ -271,10 +273,15 @@ def _spawn() -> _Helper:
 
 
 def _encode(columns: Columns) -> bytes:
+    """Columns as msgpack: the names and shapes as lists, the numeric columns as native arrays'
+    bytes (copied, not converted, by the daemon: half the daemon's share of the time)."""
     import msgpack
 
     names, codes, shapes, ids, begins, ends, sizes, contiguous = columns
-    return msgpack.packb([names, codes, shapes, ids.tobytes(), begins, ends, sizes, contiguous])
+    offsets = array("q", begins)
+    offsets.extend(ends)
+    offsets.extend(sizes)  # each fits: `header_columns` bounds them by the data section's size
+    return msgpack.packb([names, codes, shapes, ids.tobytes(), offsets.tobytes(), contiguous])
 
 
 def _decode(payload: bytes) -> Columns:
@@ -283,10 +290,15 @@ def _decode(payload: bytes) -> Columns:
     from wcd.gcpause import gc_paused
 
     with gc_paused():
-        names, codes, shapes, ids, begins, ends, sizes, contiguous = msgpack.unpackb(payload, use_list=False)
-        shape_ids = array("I")
+        names, codes, shapes, ids, offsets, contiguous = msgpack.unpackb(payload, use_list=False)
+        shape_ids, numbers = array("I"), array("q")
         shape_ids.frombytes(ids)
-        return names, codes, shapes, shape_ids, list(begins), list(ends), list(sizes), contiguous
+        numbers.frombytes(offsets)
+        n = len(names)
+        if len(numbers) != 3 * n:
+            raise ValueError(f"{len(numbers)} offsets for {n} tensors")
+        begins, ends, sizes = numbers[:n].tolist(), numbers[n : 2 * n].tolist(), numbers[2 * n :].tolist()
+        return names, codes, shapes, shape_ids, begins, ends, sizes, contiguous
 
 
 def _checked(columns: Columns, data_size: int) -> Columns:
@@ -298,11 +310,10 @@ def _checked(columns: Columns, data_size: int) -> Columns:
     names, codes, shapes, ids, begins, ends, sizes, contiguous = columns
     n = len(names)
     ok = (type(names) is tuple and type(codes) is bytes and type(shapes) is tuple and type(contiguous) is bool
-          and len(codes) == len(ids) == len(begins) == len(ends) == len(sizes) == n
-          and set(map(type, names)) <= {str} and set(map(type, chain(begins, ends, sizes))) <= {int}
+          and len(codes) == len(ids) == n and set(map(type, names)) <= {str}
           and set(map(type, shapes)) <= {tuple} and set(map(type, chain.from_iterable(shapes))) <= {int}
           and (not n or (max(codes) < len(DTYPES) and max(ids) < len(shapes) and min(begins) >= 0
-                         and max(ends) <= data_size)))
+                         and min(sizes) >= 0 and max(ends) <= data_size)))
     if not ok:
         raise ValueError("columns that are not a header's")
     return columns
@@ -319,10 +330,8 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def _serve(sock: socket.socket) -> None:
+def _serve(sock: socket.socket, header_columns: Callable[..., Columns | None]) -> None:
     import gc
-
-    from wcd.checkpoint import header_columns
 
     gc.disable()  # the parse makes no cycles; everything goes by reference counting
     sock.sendall(b"R")
@@ -351,5 +360,9 @@ def main() -> None:
     # handle: a helper ends when the daemon's end of its socket closes.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        from wcd.checkpoint import header_columns
+    except Exception as e:  # noqa: BLE001 - a broken install: one line in the journal, not a traceback
+        sys.exit(f"wcd header helper: cannot start: {type(e).__name__}: {e}")
     with contextlib.suppress(EOFError, ConnectionError):
-        _serve(socket.socket(fileno=0))
+        _serve(socket.socket(fileno=0), header_columns)

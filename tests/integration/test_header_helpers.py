@@ -354,7 +354,9 @@ GARBAGE: dict[str, Callable[[bytes, int], bytes]] = {
     "a name short": lambda raw, size: wrong_columns(raw, size, lambda c: c.__setitem__(0, c[0][:-1])),
     "past the data": lambda raw, size: wrong_columns(raw, size, lambda c: c[5].__setitem__(-1, size + 1)),
     "a bad dtype code": lambda raw, size: wrong_columns(raw, size, lambda c: c.__setitem__(1, b"\xff" * len(c[1]))),
-    "ints as floats": lambda raw, size: wrong_columns(raw, size, lambda c: c.__setitem__(4, [float(b) for b in c[4]])),
+    "a negative size": lambda raw, size: wrong_columns(raw, size, lambda c: c[6].__setitem__(0, -1)),
+    "a name not a string": lambda raw, size: wrong_columns(raw, size, lambda c: c.__setitem__(0, (1, *c[0][1:]))),
+    "offsets short": lambda raw, size: sized(msgpack.packb([("a",), b"\0", ((1,),), b"\0" * 4, b"\0" * 8, True])),
 }
 
 
