@@ -185,8 +185,8 @@ print('primary context: retain', round((time.perf_counter() - t) * 1e3, 1), 'ms;
     bash "$0" helpers 3
     for dev in cuda:0 cpu; do
       timeout 60 python3 bench/bench_restart.py --device $dev --ckpt /tmp/wcd-bench-load/1.6gb-100000 --restarts 5 \
-        > "$OUT/restart-$dev.json" 2>"$OUT/restart-err.log"
-      echo "restart $dev $(python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print([round(x,3) for x in d['exec_to_ready_s']], d['daemon_says'][-1][:150])" "$OUT/restart-$dev.json" 2>&1)"
+        > "$OUT/restart-${dev%%:*}.json" 2>"$OUT/restart-err.log"
+      echo "restart $dev $(python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print([round(x,3) for x in d['exec_to_ready_s']], d['daemon_says'][-1][:150])" "$OUT/restart-${dev%%:*}.json" 2>&1)"
     done ;;
   helpers)  # bench_admit with 4 header helpers; 1.6 GB 1k/100k warm loads, helpers (default) and none, alternated
     timeout 120 python3 bench/bench_admit.py --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --ckpt 1.6:100000 --reps 7 \
