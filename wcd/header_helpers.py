@@ -11,10 +11,11 @@ calling thread parses the headers that are left. What a helper cannot read (any 
 valid, or a helper that has gone) is parsed in the daemon, which then says why a bad one is bad:
 the outcome is the daemon's own parse in every case, only faster.
 
-Wire, on a socketpair, one request at a time: the daemon sends the 8-byte little-endian lengths
-of the raw header and of the data section, then the raw header; the helper answers with an 8-byte
-length and that many bytes of msgpack (0: parse it yourself). A helper sends one byte once it has
-imported what it needs, and ends at EOF (the daemon's end closed: its exit, even by SIGKILL).
+Wire, on a socketpair, one batch of headers at a time (`batches`), integers 8-byte little-endian:
+the daemon sends the number of headers, then for each the lengths of the raw header and of the
+data section, and the raw header; once it has them all, the helper answers each with a length and
+that many bytes of msgpack (0: parse it yourself). A helper sends one byte once it has imported
+what it needs, and ends at EOF (the daemon's end closed: its exit, even by SIGKILL).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("wcd")
 
-# Headers smaller than this are parsed in the daemon: sending one costs more than parsing it
+# Batches smaller than this are parsed in the daemon: sending costs more than parsing them
 # (1,000 tensors: 90 KB, 0.7 ms). The pieces' threshold in `checkpoint` is the same size.
 MIN_HELPER_BYTES = 256 << 10
 READY_TIMEOUT_S = 10.0
@@ -63,16 +64,21 @@ class _Helper:
     def __init__(self, proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
         self.proc, self.sock = proc, sock
 
-    def send(self, raw: bytes, data_size: int) -> None:
+    def send(self, jobs: list[tuple[bytes, int]]) -> None:
         self.sock.settimeout(STALL_S)  # a stopped helper reads nothing: the send fails, not hangs
-        self.sock.sendall(len(raw).to_bytes(8, "little") + data_size.to_bytes(8, "little"))
-        self.sock.sendall(raw)
+        self.sock.sendall(len(jobs).to_bytes(8, "little"))
+        for raw, data_size in jobs:
+            self.sock.sendall(len(raw).to_bytes(8, "little") + data_size.to_bytes(8, "little"))
+            self.sock.sendall(raw)
 
-    def receive(self, raw_len: int, data_size: int) -> Columns | None:
-        n = int.from_bytes(_recv_exact(self.sock, 8), "little")
-        if n > 2 * raw_len + (1 << 20):  # columns take less room than their JSON
-            raise ValueError(f"an answer of {n} bytes for a header of {raw_len}")
-        return _checked(_decode(_recv_exact(self.sock, n)), data_size) if n else None
+    def receive(self, jobs: list[tuple[bytes, int]]) -> list[Columns | None]:
+        answers: list[Columns | None] = []
+        for raw, data_size in jobs:
+            n = int.from_bytes(_recv_exact(self.sock, 8), "little")
+            if n > 2 * len(raw) + (1 << 20):  # columns take less room than their JSON
+                raise ValueError(f"an answer of {n} bytes for a header of {len(raw)}")
+            answers.append(_checked(_decode(_recv_exact(self.sock, n)), data_size) if n else None)
+        return answers
 
     def wait_ready(self) -> None:
         self.sock.settimeout(READY_TIMEOUT_S)
@@ -85,6 +91,28 @@ class _Helper:
             self.proc.kill()
         with contextlib.suppress(Exception):
             self.proc.wait(5)
+
+
+def batches(sizes: list[int], helpers: int) -> tuple[deque[list[int]], list[list[int]]]:
+    """The jobs of raw headers of `sizes` bytes in batches of consecutive ones: (those worth sending
+    to a helper, those to parse here). A batch holds at least MIN_HELPER_BYTES and about a tenth of
+    what each of the helpers and the calling thread would parse if the work were shared evenly
+    (a few batches each, so that whoever is first done takes another); a header that large alone
+    is a batch. Many shards of small headers (a MoE checkpoint in 160 shards) go out together."""
+    target = max(MIN_HELPER_BYTES, sum(sizes) // (2 * (helpers + 1)))
+    far: deque[list[int]] = deque()
+    batch: list[int] = []
+    held = 0
+    for i, size in enumerate(sizes):
+        batch.append(i)
+        held += size
+        if held >= target:
+            far.append(batch)
+            batch, held = [], 0
+    if batch and held >= MIN_HELPER_BYTES:
+        far.append(batch)
+        batch = []
+    return far, [batch] if batch else []
 
 
 def answer_within(raw_len: int) -> float:
@@ -155,68 +183,72 @@ class HeaderHelpers:
 
     def columns(self, jobs: Sequence[tuple[bytes, int]]) -> tuple[list[Columns | None], int]:
         """Each job's (raw header, data section size) columns, or None where the header is not
-        valid (`header_columns`), and how many the helpers read. Large headers go to idle
-        helpers; the calling thread parses the rest, and any whose helper went, meanwhile."""
+        valid (`header_columns`), and how many the helpers read. Headers go to idle helpers in
+        batches (`batches`); the calling thread parses what is too small to send, and any batch
+        whose helper went, meanwhile, taking from the back while the helpers take from the front."""
         from wcd.checkpoint import header_columns
         from wcd.gcpause import gc_paused
 
         results: list[Columns | None] = [None] * len(jobs)
-        far = deque(i for i, (raw, _) in enumerate(jobs) if len(raw) >= MIN_HELPER_BYTES)
-        near = [i for i, (raw, _) in enumerate(jobs) if len(raw) < MIN_HELPER_BYTES][::-1]
+        far, near = batches([len(raw) for raw, _ in jobs], self.count)
         if far and len(self._all) < self.count:  # none started yet (a parse before READY), or one lost
             self.start_soon()
-        busy: dict[int, tuple[_Helper, int, float]] = {}  # by socket fd: the helper, its job, its deadline
+        busy: dict[int, tuple[_Helper, list[int], float]] = {}  # by socket fd: helper, batch, deadline
         poll = select.poll()  # not select(): the daemon's descriptors go past FD_SETSIZE
         helped = 0
 
-        def drop(fd: int) -> tuple[_Helper, int]:
+        def drop(fd: int) -> tuple[_Helper, list[int]]:
             poll.unregister(fd)
-            helper, i, _ = busy.pop(fd)
-            return helper, i
+            helper, batch, _ = busy.pop(fd)
+            return helper, batch
 
         try:
             while True:
                 while far and (helper := self._take()) is not None:
-                    i = far.popleft()
+                    batch = far.popleft()
                     try:
-                        helper.send(*jobs[i])
+                        helper.send([jobs[i] for i in batch])
                     except OSError:
                         self._lose(helper)
-                        far.appendleft(i)
+                        far.appendleft(batch)
                         continue
-                    busy[helper.sock.fileno()] = helper, i, time.monotonic() + answer_within(len(jobs[i][0]))
+                    deadline = time.monotonic() + answer_within(sum(len(jobs[i][0]) for i in batch))
+                    busy[helper.sock.fileno()] = helper, batch, deadline
                     poll.register(helper.sock, select.POLLIN)
                 if not (near or far or busy):
                     return results, helped
                 # Collect what helpers have finished; wait for them only when nothing is left to
-                # parse here, and never past a helper's deadline: then its header is parsed here.
+                # parse here, and never past a helper's deadline: then its headers are parsed here.
                 wait_ms = 0
                 if busy and not (near or far):
                     wait_ms = max(0, math.ceil((min(d for _, _, d in busy.values()) - time.monotonic()) * 1e3))
                 ready = poll.poll(wait_ms) if busy else []
                 for fd, _ in ready:
-                    helper, i = drop(fd)
+                    helper, batch = drop(fd)
                     try:
-                        results[i] = helper.receive(len(jobs[i][0]), jobs[i][1])
+                        answers = helper.receive([jobs[i] for i in batch])
                     except Exception:  # noqa: BLE001 - whatever went wrong there, it is parsed here
                         self._lose(helper)
-                        near.append(i)
+                        near.append(batch)
                         continue
-                    if len(jobs[i][0]) >= RETIRE_BYTES:
-                        self._retire(helper)  # its heap grew with that header: a fresh one instead
+                    if sum(len(jobs[i][0]) for i in batch) >= RETIRE_BYTES:
+                        self._retire(helper)  # its heap grew with those headers: a fresh one instead
                     else:
                         self._give(helper)
-                    helped += results[i] is not None  # None: left to the daemon (which says why)
+                    for i, answer in zip(batch, answers):
+                        results[i] = answer
+                        helped += answer is not None  # None: left to the daemon (which says why)
                 if not ready and busy and not (near or far):
                     now = time.monotonic()
                     for fd in [fd for fd, (_, _, deadline) in busy.items() if deadline <= now]:
-                        helper, i = drop(fd)
+                        helper, batch = drop(fd)
                         self._lose(helper)
-                        near.append(i)
+                        near.append(batch)
                 if not ready and (near or far):
-                    i = near.pop() if near else far.pop()  # the helpers take from the front
+                    batch = near.pop() if near else far.pop()
                     with gc_paused():
-                        results[i] = header_columns(*jobs[i])
+                        for i in batch:
+                            results[i] = header_columns(*jobs[i])
         finally:
             for helper, _, _ in busy.values():  # interrupted: their answers are not read
                 self._lose(helper)
@@ -337,20 +369,27 @@ def _serve(sock: socket.socket, header_columns: Callable[..., Columns | None]) -
     sock.sendall(b"R")
     while True:
         try:
-            head = _recv_exact(sock, 16)
+            count = int.from_bytes(_recv_exact(sock, 8), "little")
         except EOFError:
             return
-        n, data_size = int.from_bytes(head[:8], "little"), int.from_bytes(head[8:], "little")
-        raw, columns = _recv_exact(sock, n), None
-        try:
-            # Only what pydantic_core reads: `json.loads`'s refusals depend on the caller's stack
-            # depth (nesting), so headers only it would read are the daemon's to parse.
-            columns = header_columns(raw, data_size, lenient=False)
-            payload = b"" if columns is None else _encode(columns)
-        except Exception:  # noqa: BLE001 - whatever fails here, the daemon parses it and says why
-            payload = b""
-        del raw, columns
-        sock.sendall(len(payload).to_bytes(8, "little") + payload)
+        jobs = []
+        for _ in range(count):
+            head = _recv_exact(sock, 16)
+            n, data_size = int.from_bytes(head[:8], "little"), int.from_bytes(head[8:], "little")
+            jobs.append((_recv_exact(sock, n), data_size))
+        replies = []
+        for raw, data_size in jobs:
+            try:
+                # Only what pydantic_core reads: `json.loads`'s refusals depend on the caller's
+                # stack depth (nesting), so headers only it would read are the daemon's to parse.
+                columns = header_columns(raw, data_size, lenient=False)
+                payload = b"" if columns is None else _encode(columns)
+            except Exception:  # noqa: BLE001 - whatever fails here, the daemon parses it and says why
+                payload = b""
+            columns = None
+            replies.append(len(payload).to_bytes(8, "little") + payload)
+        del jobs
+        sock.sendall(b"".join(replies))
 
 
 def main() -> None:

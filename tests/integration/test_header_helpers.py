@@ -90,9 +90,9 @@ def test_large_headers_go_to_the_helpers_and_come_back_equal(helpers: HeaderHelp
     sent = []
     send = header_helpers._Helper.send
 
-    def counting(self: header_helpers._Helper, raw: bytes, data_size: int) -> None:
-        sent.append(len(raw))
-        send(self, raw, data_size)
+    def counting(self: header_helpers._Helper, jobs: list[tuple[bytes, int]]) -> None:
+        sent.extend(len(raw) for raw, _ in jobs)
+        send(self, jobs)
 
     header_helpers._Helper.send = counting  # type: ignore[method-assign]
     try:
@@ -324,9 +324,11 @@ def fake_helper(pool: HeaderHelpers, answer: Callable[[bytes, int], bytes]) -> h
 
     def serve() -> None:
         with theirs:
-            while head := theirs.recv(16, socket.MSG_WAITALL):
-                n, data_size = int.from_bytes(head[:8], "little"), int.from_bytes(head[8:], "little")
-                theirs.sendall(answer(theirs.recv(n, socket.MSG_WAITALL), data_size))
+            while count := theirs.recv(8, socket.MSG_WAITALL):
+                for _ in range(int.from_bytes(count, "little")):
+                    head = theirs.recv(16, socket.MSG_WAITALL)
+                    n, data_size = int.from_bytes(head[:8], "little"), int.from_bytes(head[8:], "little")
+                    theirs.sendall(answer(theirs.recv(n, socket.MSG_WAITALL), data_size))
 
     threading.Thread(target=serve, daemon=True).start()
     fake = header_helpers._Helper(proc, mine)
@@ -435,3 +437,29 @@ def test_a_helper_that_parsed_a_huge_header_is_replaced_by_a_fresh_one(monkeypat
         assert len(pool._idle) == 1 and helper_pids(pool) != before
     finally:
         pool.close()
+
+
+def test_batches_hold_enough_to_send_and_leave_the_rest_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(header_helpers, "MIN_HELPER_BYTES", 100)
+    far, near = header_helpers.batches([], 4)
+    assert not far and not near
+    monkeypatch.setattr(header_helpers, "MIN_HELPER_BYTES", 0)  # never an empty batch (a helper answers none)
+    assert list(header_helpers.batches([5, 5, 5], 2)[0]) == [[0], [1], [2]]
+    monkeypatch.setattr(header_helpers, "MIN_HELPER_BYTES", 100)
+    far, near = header_helpers.batches([30, 30, 30], 4)  # 90 in all: not worth sending
+    assert not far and near == [[0, 1, 2]]
+    far, near = header_helpers.batches([500, 10, 10, 500, 60, 60, 10], 1)  # target: 1150 / 4 = 287
+    assert list(far) == [[0], [1, 2, 3], [4, 5, 6]] and not near
+    sizes = [50] * 160  # 160 shards of small headers, 4 helpers: target 800
+    far, near = header_helpers.batches(sizes, 4)
+    assert [len(b) for b in far] == [16] * 10 and not near
+    assert sorted(i for b in [*far, *near] for i in b) == list(range(160))  # each job once, in order
+
+
+def test_many_shards_of_small_headers_go_to_the_helpers_in_batches(helpers: HeaderHelpers, tmp_path: Path) -> None:
+    ckpt = experts(tmp_path / "m", 40, 1_000)  # 40 headers of ~70 KB: none worth sending alone
+    raw_len = int.from_bytes((ckpt / "model-00000.safetensors").read_bytes()[:8], "little")
+    assert raw_len < header_helpers.MIN_HELPER_BYTES
+    assert opened(ckpt, helpers) == opened(ckpt)
+    with Checkpoint.open(ckpt, helpers=helpers) as got:
+        assert got.helped >= 8  # at least two batches, one per helper
