@@ -22,6 +22,8 @@
 #                                     cold); bench_admit's phases and parse floor at 100k
 #   bash bench/device_run.sh front    cold read patterns on 1.6 GB (fastsafetensors' 16 x 512 KiB O_DIRECT front and
 #                                     neighbours), then fastsafetensors and wcd cold
+#   bash bench/device_run.sh round6b  GPU tests; 64 shards at 100k: bench_admit, warm loads with and without helpers;
+#                                     restart A/B against oldtree/
 #   bash bench/device_run.sh round6   GPU tests; the helpers A/B three times; restart with a 100k entry kept
 #   bash bench/device_run.sh helpers [N]  bench_admit with header helpers; 1.6 GB warm loads with and without them
 #   bash bench/device_run.sh round5b  GPU tests; restart (oldtree/ compiled, and this tree); cold 1.6 GB with 4/8/16
@@ -38,7 +40,8 @@ python3 -m compileall -q wcd /tmp/site >/dev/null  # as an installed package has
 nvidia-smi -L | tee "$OUT/gpus.txt"; nproc; free -g | head -2
 LOADERS=wcd,wcd-direct,safetensors,fastsafetensors,instanttensor,runai  # wcd-direct: cold_reads = "direct"
 restart_ab() {  # the 0.1 GB and 1.6 GB checkpoints (written once), then exec -> READY of oldtree/ and this
-  # tree, alternated, on a GPU and a host-only config: a line per run
+  # tree, alternated, on a GPU and a host-only config: a line per run (JSON in $OUT/logs)
+  mkdir -p "$OUT/logs"
   python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from bench_load import write_checkpoint
 write_checkpoint(Path('/tmp/wcd-bench-load/0.1gb-200'), int(0.1e9), 200, 1)
 write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-1000'), int(1.6e9), 1000, 4)
@@ -46,8 +49,9 @@ write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-100000'), int(1.6e9), 100000, 4
   for round in 1 2 3; do for dev in cuda:0 cpu; do for t in old new; do
     R=$PWD; [ $t = old ] && R=$PWD/oldtree
     (cd "$R" && PYTHONPATH=/tmp/site:$R timeout 60 python3 bench/bench_restart.py --device $dev \
-      --ckpt /tmp/wcd-bench-load/0.1gb-200 --restarts 5 > "$OUT/restart-$t-$dev-$round.json" 2>"$OUT/restart-err.log")
-    echo "$t $dev $round $(python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print([round(x,3) for x in d['exec_to_ready_s']], d['daemon_says'][-1][:150])" "$OUT/restart-$t-$dev-$round.json" 2>&1)"
+      --ckpt /tmp/wcd-bench-load/0.1gb-200 --restarts 5 > "$OUT/logs/restart-$t-${dev%%:*}-$round.json" \
+      2>"$OUT/logs/restart-err.log")
+    echo "$t $dev $round $(python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print([round(x,3) for x in d['exec_to_ready_s']], d['daemon_says'][-1][:150])" "$OUT/logs/restart-$t-${dev%%:*}-$round.json" 2>&1)"
   done; done; done
 }
 case "${1:-tests}" in
@@ -179,6 +183,22 @@ print('primary context: retain', round((time.perf_counter() - t) * 1e3, 1), 'ms;
     grep -E "admitting|filled from|loaded" "$OUT"/daemon-small*.log | cut -c1-220
     timeout 100 python3 bench/bench_admit.py --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --ckpt 1.6:100000 --reps 5 \
       2>&1 | tee "$OUT/admit.txt" | tail -3 ;;
+  round6b)  # GPU tests; 64 shards of 1,560 tensors: bench_admit, warm loads with and without helpers; restart A/B
+    timeout 150 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
+      | grep -E "FAILED|ERROR|passed|failed" | cut -c1-300
+    mkdir -p "$OUT/logs"
+    timeout 120 python3 bench/bench_admit.py --dir /tmp/wcd-bench-load-64 --ckpt 1.6:100000 --shards 64 --reps 7 \
+      --helpers 4 2>&1 | tee "$OUT/admit-64.txt" | tail -2
+    for round in 1 2 3; do for h in default 0; do
+      cfg=""; [ $h = 0 ] && cfg="header_helpers = 0"
+      BENCH_DAEMON_CONFIG="$cfg" timeout 150 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load-64 \
+        --shards 64 --ckpt 1.6:1000 --ckpt 1.6:100000 --reps 3 --loaders wcd \
+        --out "$OUT/logs/load64-$h-$round.json" --daemon-log "$OUT/logs/daemon64-$h-$round.log" 2>&1 \
+        | grep -v '"wcd_verify"' | sed "s/^/$h $round /" | cut -c1-260
+    done; done
+    grep -hE "admitting b1" "$OUT"/logs/daemon64-*.log | cut -c1-160
+    restart_ab | tee "$OUT/restart-ab.txt"
+    tar -C "$OUT" -czf "$OUT/round6b-logs.tgz" logs && rm -r "$OUT/logs" ;;
   round6)  # GPU tests; the helpers A/B three times; restart of this tree (GPU and host)
     timeout 150 python3 -m pytest tests/gpu -v -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
       | grep -E "FAILED|ERROR|passed|failed" | cut -c1-300
