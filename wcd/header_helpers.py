@@ -47,6 +47,7 @@ log = logging.getLogger("wcd")
 MIN_HELPER_BYTES = 256 << 10
 READY_TIMEOUT_S = 10.0
 RETRY_S = 60.0
+MAX_BATCH = 1 << 16  # headers in one batch (a checkpoint has far fewer shards)
 # A helper that parsed a header this large keeps the heap it grew (a 10.8 MiB header: 20 -> 73 MB,
 # malloc_trim or not): it is replaced by a fresh one.
 RETIRE_BYTES = 8 << 20
@@ -116,8 +117,9 @@ def batches(sizes: list[int], helpers: int) -> tuple[deque[list[int]], list[list
 
 
 def answer_within(raw_len: int) -> float:
-    """Seconds a helper has to answer for a header of `raw_len` bytes before the daemon parses it
-    itself (the VM parses ~25 MB/s; a stalled or stopped helper must not hold a load)."""
+    """Seconds a helper has to answer for headers of `raw_len` bytes before the daemon parses them
+    itself: 4 MiB/s, a tenth of what the 2-core VM parses and checks, past a few seconds (a stalled
+    or stopped helper must not hold a load)."""
     return STALL_S + raw_len / (4 << 20)
 
 
@@ -132,6 +134,8 @@ class HeaderHelpers:
         self._closed = False
         self._starting = False
         self._retry_at = 0.0  # after a start failed: not before then
+        if count:
+            code_stamp()  # now, at start-up: the code this daemon runs
 
     def start(self) -> bool:
         """Bring the helpers up to `count` (blocking: not from the loop), each in use as soon as it
@@ -231,8 +235,8 @@ class HeaderHelpers:
                         self._lose(helper)
                         near.append(batch)
                         continue
-                    if sum(len(jobs[i][0]) for i in batch) >= RETIRE_BYTES:
-                        self._retire(helper)  # its heap grew with those headers: a fresh one instead
+                    if max(len(jobs[i][0]) for i in batch) >= RETIRE_BYTES:
+                        self._retire(helper)  # its heap grew with that header: a fresh one instead
                     else:
                         self._give(helper)
                     for i, answer in zip(batch, answers):
@@ -290,8 +294,9 @@ def _spawn() -> _Helper:
     try:
         # The daemon's own import path, so a helper runs the daemon's wcd (`-m` would put the
         # working directory first: a `wcd/` there would be imported instead).
-        path = [entry for entry in sys.path if entry]  # "" is a working directory too
-        code = f"import sys; sys.path[:] = {path!r}; from wcd.header_helpers import main; main()"
+        path = [entry for entry in sys.path if isinstance(entry, str) and entry]  # "": a working directory
+        code = (f"import sys; sys.path[:] = {path!r}; from wcd.header_helpers import main; "
+                f"main({code_stamp()!r})")
         flags = [flag for flag, on in (("-I", sys.flags.isolated), ("-S", sys.flags.no_site),
                                        ("-s", sys.flags.no_user_site), ("-E", sys.flags.ignore_environment)) if on]
         proc = subprocess.Popen([sys.executable, *flags, "-c", code], stdin=theirs.fileno(),
@@ -365,6 +370,8 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 def _serve(sock: socket.socket, header_columns: Callable[..., Columns | None]) -> None:
     import gc
 
+    from wcd.checkpoint import MAX_HEADER_BYTES
+
     gc.disable()  # the parse makes no cycles; everything goes by reference counting
     sock.sendall(b"R")
     while True:
@@ -372,10 +379,14 @@ def _serve(sock: socket.socket, header_columns: Callable[..., Columns | None]) -
             count = int.from_bytes(_recv_exact(sock, 8), "little")
         except EOFError:
             return
+        if count > MAX_BATCH:
+            raise ValueError(f"a batch of {count} headers")
         jobs = []
         for _ in range(count):
             head = _recv_exact(sock, 16)
             n, data_size = int.from_bytes(head[:8], "little"), int.from_bytes(head[8:], "little")
+            if n > MAX_HEADER_BYTES:
+                raise ValueError(f"a header of {n} bytes")
             jobs.append((_recv_exact(sock, n), data_size))
         replies = []
         for raw, data_size in jobs:
@@ -392,7 +403,26 @@ def _serve(sock: socket.socket, header_columns: Callable[..., Columns | None]) -
         sock.sendall(b"".join(replies))
 
 
-def main() -> None:
+_STAMPED = ("wcd", "wcd.header_helpers", "wcd.checkpoint", "wcd.manifest")
+
+
+def code_stamp() -> str:
+    """What identifies the code a helper runs: the files of the modules it shares with the daemon,
+    as the daemon first looked (their size and mtime), so that a helper started after an upgrade
+    on disk (a retired or lost one, replaced) does not talk to a daemon of another version."""
+    global _stamp
+    if _stamp is None:
+        import importlib
+
+        files = [getattr(importlib.import_module(name), "__file__", None) or "" for name in _STAMPED]
+        _stamp = repr([(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) if f else None for f in files])
+    return _stamp
+
+
+_stamp: str | None = None
+
+
+def main(stamp: str = "") -> None:
     import signal
 
     # A stop (systemd signals the whole unit; a terminal's ^C the whole group) is the daemon's to
@@ -401,7 +431,16 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         from wcd.checkpoint import header_columns
+
+        mine = code_stamp()
     except Exception as e:  # noqa: BLE001 - a broken install: one line in the journal, not a traceback
         sys.exit(f"wcd header helper: cannot start: {type(e).__name__}: {e}")
-    with contextlib.suppress(EOFError, ConnectionError):
+    if stamp != mine:
+        sys.exit("wcd header helper: the daemon runs other wcd code than is installed now (upgraded "
+                 "under it?): large headers are parsed in the daemon until it is restarted")
+    try:
         _serve(socket.socket(fileno=0), header_columns)
+    except (EOFError, ConnectionError):
+        pass
+    except Exception as e:  # noqa: BLE001 - one line; the daemon parses what this helper had
+        sys.exit(f"wcd header helper: {type(e).__name__}: {e}")

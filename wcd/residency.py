@@ -223,6 +223,10 @@ class Residency:
         backend.configure(daemon.staging_linger_s, direct_reads=daemon.cold_reads == "direct")
         return backend
 
+    def sized_at_start(self) -> dict[str, int]:
+        """The config fields fixed when the daemon started, and their values in force."""
+        return {"digest_workers": self._digest_pool.workers, "header_helpers": self.helpers.count}
+
     def warm_backends(self) -> None:
         """Import the GPU backend (cuda-bindings: 18-25 ms holding the GIL on the H200 hosts) now,
         blocking, from the thread that starts the workers after READY: the first GPU request does

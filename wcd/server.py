@@ -178,6 +178,10 @@ class Server:
                 self.residency.supersede(cache.entries[name])
         if new.daemon.socket != current.daemon.socket and self.listen_fd is None:
             log.warning("reload: a new socket path takes effect on restart")
+        for field, running in self.residency.sized_at_start().items():
+            wanted = getattr(new.daemon, field)
+            if wanted is not None and wanted != running:
+                log.warning("reload: daemon.%s = %d takes effect on restart (%d now)", field, wanted, running)
         new.daemon.socket = current.daemon.socket
         self.state.config = new
         self._allowed_gids = new.daemon.allowed_gids()

@@ -456,10 +456,45 @@ def test_batches_hold_enough_to_send_and_leave_the_rest_here(monkeypatch: pytest
     assert sorted(i for b in [*far, *near] for i in b) == list(range(160))  # each job once, in order
 
 
-def test_many_shards_of_small_headers_go_to_the_helpers_in_batches(helpers: HeaderHelpers, tmp_path: Path) -> None:
+def test_many_shards_of_small_headers_go_to_the_helpers_in_batches(helpers: HeaderHelpers, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     ckpt = experts(tmp_path / "m", 40, 1_000)  # 40 headers of ~70 KB: none worth sending alone
+    monkeypatch.setattr(header_helpers, "RETIRE_BYTES", 200 << 10)  # more than a header, less than a batch
     raw_len = int.from_bytes((ckpt / "model-00000.safetensors").read_bytes()[:8], "little")
     assert raw_len < header_helpers.MIN_HELPER_BYTES
+    before = helper_pids(helpers)
     assert opened(ckpt, helpers) == opened(ckpt)
     with Checkpoint.open(ckpt, helpers=helpers) as got:
         assert got.helped >= 8  # at least two batches, one per helper
+    assert helper_pids(helpers) == before  # retired only after a header past RETIRE_BYTES, not a batch
+
+
+def test_a_reload_that_changes_the_helper_count_says_it_takes_effect_on_restart(make_daemon: Any) -> None:
+    d = make_daemon("header_helpers = 0\n")
+    d.config.write_text(d.config.read_text().replace("header_helpers = 0", "header_helpers = 2"))
+    d.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 20
+    while "reloaded" not in d.log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    log = d.log.read_text()
+    assert "WARNING reload: daemon.header_helpers = 2 takes effect on restart (0 now)" in log, log
+    assert not daemon_children(d.proc.pid)  # still none
+
+
+def test_a_helper_of_other_code_than_the_daemons_refuses_to_serve(monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture,
+                                                                   capfd: pytest.CaptureFixture[str]) -> None:
+    """After an upgrade on disk under a running daemon, a replacement helper would run the new code:
+    it sees its files differ from what the daemon started with, says so in one line and exits."""
+    monkeypatch.setattr(header_helpers, "_stamp", header_helpers.code_stamp() + " (before an upgrade)")
+    pool = HeaderHelpers(1)
+    try:
+        with caplog.at_level("WARNING", logger="wcd"):
+            assert pool.start() is False
+        assert not pool._all
+        assert [r.getMessage() for r in caplog.records][0].startswith("cannot start a header helper (")
+    finally:
+        pool.close()
+    err = capfd.readouterr().err
+    assert "wcd header helper: the daemon runs other wcd code than is installed now" in err, err
+    assert "Traceback" not in err
