@@ -719,7 +719,10 @@ class Residency:
         def release() -> None:
             nonlocal arenas_left, staging_left
             try:
-                self.helpers.close()  # kills and reaps them: not on the loop
+                try:
+                    self.helpers.close()  # kills and reaps them: not on the loop
+                except Exception as e:  # noqa: BLE001 - shutting down: say it and go on
+                    log.warning("stopping the header helpers: %s", e)
                 for name, arena in arenas:
                     try:
                         arena.close()  # deferred while a worker holds it; its next read stops it
