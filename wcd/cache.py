@@ -76,6 +76,9 @@ class Entry:
     acquires: int = 0
     notes: list[str] = field(default_factory=list)  # shown in status, e.g. "checkpoint missing"
     publisher: int | None = None  # uid whose bytes these are: the daemon's for its loads
+    # Re-adopted after a restart, until checked: the tensor count its record gives (status shows
+    # it meanwhile; the manifest is an empty stand-in until the record's is validated).
+    recorded_tensors: int | None = None
 
     @property
     def device(self) -> str:
@@ -98,7 +101,7 @@ class Entry:
             "retention": self.retention,
             "origin": self.origin,
             "publisher_uid": self.publisher,
-            "tensors": len(self.manifest),
+            "tensors": len(self.manifest) if self.recorded_tensors is None else self.recorded_tensors,
             "progress": {"done": self.done_bytes, "total": self.manifest.nbytes},
             "acquires": self.acquires,
             "notes": self.notes,

@@ -563,12 +563,15 @@ class Residency:
         device = rec.key.device
         if device not in self.cache.budgets:
             raise BadRequest(f"device {device} is no longer configured")
-        # An empty manifest stands in until `_check_adopted` validates the record's (status shows 0 tensors).
+        # An empty manifest stands in until `_check_adopted` validates the record's; status shows
+        # the record's counts meanwhile, unvalidated (its dtype column has a byte per tensor).
         entry, victims = self.cache.admit(rec.name, rec.key, Manifest.build(()), rec.arena_size, rec.retention,
                                           rec.origin, rec.publisher if rec.origin == "publish" else os.getuid(),
                                           adopted=True)
         self.reclaim(victims)
         entry.notes = [ADOPTING_NOTE]
+        codes = rec.manifest_wire.get("dtypes")
+        entry.recorded_tensors = len(codes) if isinstance(codes, bytes) else None
         self._ready[entry] = asyncio.Event()
         self._parked.add(entry.name)  # systemd still holds the fds: never store them twice
         return entry
@@ -611,6 +614,7 @@ class Residency:
         if gone():
             return
         entry.manifest, entry.notes, entry.done_bytes = manifest, notes, manifest.nbytes
+        entry.recorded_tensors = None
         if entry.state == "evicting":  # evicted while it was checked
             await self._drop_loading(entry)
             return

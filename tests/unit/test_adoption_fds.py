@@ -7,7 +7,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -73,6 +73,7 @@ class Rec:
     origin: str = "publish"
     publisher: int = 0
     gate: threading.Event | None = None
+    manifest_wire: dict[str, Any] = field(default_factory=lambda: Manifest.build([("w", "F32", [4])]).to_wire())
 
     def manifest(self) -> Manifest:
         if self.gate is not None:
@@ -306,5 +307,28 @@ def test_an_old_entrys_end_does_not_take_the_reload_flag_of_a_new_entry_of_its_n
         assert second not in res._superseded and "m" not in res.cache.entries
         with pytest.raises(NotFound):
             await waiter
+
+    asyncio.run(main())
+
+
+def test_status_shows_the_records_tensor_count_while_an_adopted_entry_is_checked(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before its check the entry's manifest is an empty stand-in: status shows the record's count
+    (unvalidated), then the validated manifest's."""
+    gate = threading.Event()
+    backend = FakeBackend()
+    monkeypatch.setattr(residency, "backend_for", lambda device: backend)
+    monkeypatch.setattr(residency, "_unstore", lambda name: None)
+
+    async def main() -> None:
+        res, rec, entry = adopted(gate)
+        assert entry.describe()["tensors"] == 1 and entry.describe()["state"] == "loading"
+        task = asyncio.ensure_future(res._check_adopted(entry, rec, arena_fd()))
+        await asyncio.to_thread(backend.entered.wait, 5)
+        assert entry.describe()["tensors"] == 1 and not entry.manifest.names  # still checking
+        gate.set()
+        await task
+        assert res.cache.entries["m"] is entry and entry.state == "ready", entry.notes
+        assert entry.recorded_tensors is None and entry.describe()["tensors"] == len(entry.manifest) == 1
 
     asyncio.run(main())
