@@ -93,6 +93,15 @@ def adopted(gate: threading.Event | None = None) -> tuple[Residency, Rec, Entry]
     return res, rec, res._adopt(rec)
 
 
+def gated(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, FakeBackend]:
+    """A fake backend whose open waits for the gate, and no fd store: (the gate, the backend)."""
+    gate = threading.Event()
+    backend = FakeBackend()
+    monkeypatch.setattr(residency, "backend_for", lambda device: backend)
+    monkeypatch.setattr(residency, "_unstore", lambda name: None)
+    return gate, backend
+
+
 def arena_fd() -> int:
     return os.memfd_create("arena")
 
@@ -155,10 +164,7 @@ def test_a_check_cancelled_while_its_worker_opens_the_arena_closes_it_once_the_w
 
 def test_a_second_evict_during_the_check_drops_the_entry_quietly(monkeypatch: pytest.MonkeyPatch,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
-    gate = threading.Event()
-    backend = FakeBackend()
-    monkeypatch.setattr(residency, "backend_for", lambda device: backend)
-    monkeypatch.setattr(residency, "_unstore", lambda name: None)
+    gate, backend = gated(monkeypatch)
     caplog.set_level(logging.INFO, logger="wcd")
 
     async def main() -> None:
@@ -188,10 +194,7 @@ def test_an_acquire_after_a_reload_changed_an_entry_still_being_checked_waits_fo
     from wcd import ops, protocol
     from wcd.errors import NotFound
 
-    gate = threading.Event()
-    backend = FakeBackend()
-    monkeypatch.setattr(residency, "backend_for", lambda device: backend)
-    monkeypatch.setattr(residency, "_unstore", lambda name: None)
+    gate, backend = gated(monkeypatch)
 
     async def main() -> float:
         res, rec, entry = adopted(gate)
@@ -315,10 +318,7 @@ def test_status_shows_the_records_tensor_count_while_an_adopted_entry_is_checked
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Before its check the entry's manifest is an empty stand-in: status shows the record's count
     (unvalidated), then the validated manifest's."""
-    gate = threading.Event()
-    backend = FakeBackend()
-    monkeypatch.setattr(residency, "backend_for", lambda device: backend)
-    monkeypatch.setattr(residency, "_unstore", lambda name: None)
+    gate, backend = gated(monkeypatch)
 
     async def main() -> None:
         res, rec, entry = adopted(gate)
