@@ -4,12 +4,14 @@ Parsing a header builds a Python object per tensor and holds the GIL while it do
 cannot share the work: the four headers of a 100,000-tensor checkpoint took 0.19 s of the daemon's
 admission on the H200 host, twice the copies' time. So a daemon on a host with cores to spare keeps
 a few helper processes (`daemon.header_helpers`; started after READY, from the thread that starts
-the workers) and hands each a large header's raw bytes: a helper opens no file and holds no
-descriptor but its socket. It runs the daemon's own parse and checks (`header_columns`) and sends the
-columns back as msgpack, which the daemon unpacks in a few ms per 25,000 tensors; meanwhile the
-calling thread parses the headers that are left. What a helper cannot read (any header that is not
-valid, or a helper that has gone) is parsed in the daemon, which then says why a bad one is bad:
-the outcome is the daemon's own parse in every case, only faster.
+the workers, or by the first parse that needs them) and hands them raw header bytes in batches: a
+helper opens no file and holds no descriptor but its socket. It runs the daemon's own parse and
+checks (`header_columns`) and sends the columns back as msgpack, which the daemon unpacks in a few
+ms per 25,000 tensors; meanwhile the calling thread parses the batches that are left. What a helper
+cannot read (a header that is not valid, one only `json.loads` reads, a helper that has gone,
+stalled or answered garbage) is parsed in the daemon, which then says why a bad one is bad: the
+outcome is the daemon's own parse in every case, only faster. A helper runs the code the daemon
+started with or refuses to (`code_stamp`), and is replaced after a header that grew its heap.
 
 Wire, on a socketpair, one batch of headers at a time (`batches`), integers 8-byte little-endian:
 the daemon sends the number of headers, then for each the lengths of the raw header and of the
