@@ -299,12 +299,13 @@ class Container:
             self.leader = _child_named(self.proc.pid, "systemd")
             time.sleep(0.05)
         # Right after exec, systemd has not yet bound its private bus socket: systemctl then fails
-        # at once ("Failed to connect to bus"), so retry until it answers with a state.
+        # at once ("Failed to connect to bus"), or, before systemd has made /run/systemd/system,
+        # answers "offline" (sd_booted() is false), so retry until it answers with a boot state.
         while True:
             res = self.run("systemctl is-system-running --wait", check=False,
                            timeout=max(5.0, deadline - time.monotonic()))
             state = res.stdout.strip()
-            if state in ("running", "degraded", "maintenance", "stopping", "offline"):
+            if state in ("running", "degraded", "maintenance", "stopping"):
                 break
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the container's systemd did not finish booting ({state!r}, "
