@@ -550,6 +550,7 @@ class Checkpoint:
         """
         p = Path(path).resolve()
         files = open_files(p, follow_links, owner_check)
+        helped = 0
         try:
             if helpers is None:
                 headers = tuple(parse_header(fd, file) for file, fd in files)
@@ -572,7 +573,7 @@ class Checkpoint:
                         raise LoadFailed(f"{p}: tensor {name!r} appears in more than one shard")
                     names.add(name)
             ckpt = cls(p, headers, tuple(fd for _, fd in files), unique=True)
-            ckpt.helped = 0 if helpers is None else helped
+            ckpt.helped = helped
             return ckpt
         except BaseException:
             for _, fd in files:

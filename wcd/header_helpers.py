@@ -271,21 +271,18 @@ class HeaderHelpers:
         helper.close()
 
     def _retire(self, helper: _Helper) -> None:
+        """Drop a helper; another is started in the background (unless closed)."""
         with self._lock:
             self._all.discard(helper)
         helper.close()
         self.start_soon()
 
     def _lose(self, helper: _Helper) -> None:
-        """Drop a helper that failed; another is started in the background."""
-        with self._lock:
-            self._all.discard(helper)
-            closed = self._closed
-        helper.close()
-        if not closed:
+        """`_retire` a helper that failed, in one line."""
+        if not self._closed:
             log.warning("a header helper (pid %d) failed or stalled; its header is parsed in the daemon",
                         helper.proc.pid)
-            self.start_soon()
+        self._retire(helper)
 
 
 def _spawn() -> _Helper:
