@@ -351,9 +351,13 @@ class Connection:
         self._serve_soon = False
         self._corked = True  # coalesce the replies of one batch into one write
         until = time.monotonic() + MAX_BATCH_S
+        held = False  # stopped at the output limit with requests left
         try:
             for _ in range(MAX_MESSAGES_PER_WAKEUP):
-                if self.closed or self._failed or self._out_bytes > OUTPUT_HIGH_WATER:
+                if self.closed or self._failed:
+                    break
+                if self._out_bytes > OUTPUT_HIGH_WATER:
+                    held = True
                     break
                 item = self.decoder.next_message()
                 if item is None:
@@ -373,6 +377,10 @@ class Connection:
             self._corked = False
             if not self.closed:
                 self._flush()
+                # Written at once (a client reading as fast as replies come): the reader was never
+                # paused, so the flush did not go on; nothing more may arrive to wake this connection.
+                if held and not self._failed and self._out_bytes <= OUTPUT_HIGH_WATER:
+                    self._serve_later()
 
     def _serve_later(self) -> None:
         if not self._serve_soon and not self.closed:
