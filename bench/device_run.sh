@@ -25,6 +25,8 @@
 #   bash bench/device_run.sh round6b  GPU tests; 64 shards at 100k: bench_admit, warm loads with and without helpers;
 #                                     restart A/B against oldtree/
 #   bash bench/device_run.sh round6   GPU tests; the helpers A/B three times; restart with a 100k entry kept
+#   bash bench/device_run.sh round7   GPU tests; 8 helpers and pieces of shards: 1.6 GB 1k/100k warm loads against
+#                                     oldtree/ (alternated, three rounds); restart A/B
 #   bash bench/device_run.sh helpers [N]  bench_admit with header helpers; 1.6 GB warm loads with and without them
 #   bash bench/device_run.sh round5b  GPU tests; restart (oldtree/ compiled, and this tree); cold 1.6 GB with 4/8/16
 #                                     load workers beside fastsafetensors; 1.6 GB warm 1k/100k; 16 GB warm
@@ -199,6 +201,25 @@ print('primary context: retain', round((time.perf_counter() - t) * 1e3, 1), 'ms;
     grep -hE "admitting b1" "$OUT"/logs/daemon64-*.log | cut -c1-160
     restart_ab | tee "$OUT/restart-ab.txt"
     tar -C "$OUT" -czf "$OUT/round6b-logs.tgz" logs && rm -r "$OUT/logs" ;;
+  round7)  # GPU tests; bench_admit with 8 helpers; 1.6 GB 1k/100k warm loads of oldtree/ (4 helpers, whole shards)
+    # and this tree (8 helpers by default, and 4: pieces of shards; the fingerprint beside the parse),
+    # alternated, three rounds; restart A/B
+    timeout 150 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
+      | grep -E "FAILED|ERROR|passed|failed" | cut -c1-300
+    python3 -m compileall -q oldtree/wcd >/dev/null
+    timeout 120 python3 bench/bench_admit.py --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --ckpt 1.6:100000 --reps 7 \
+      --helpers 8 2>&1 | tee "$OUT/admit.txt" | tail -3
+    mkdir -p "$OUT/logs"
+    for round in 1 2 3; do for v in old new new4; do
+      R=$PWD; cfg=""; [ $v = old ] && R=$PWD/oldtree; [ $v = new4 ] && cfg="header_helpers = 4"
+      (cd "$R" && PYTHONPATH=/tmp/site:$R BENCH_DAEMON_CONFIG="$cfg" BENCH_DAEMON_LOG_LEVEL=debug timeout 150 \
+        python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --ckpt 1.6:100000 \
+        --reps 3 --loaders wcd --out "$OUT/logs/load-$v-$round.json" --daemon-log "$OUT/logs/daemon-$v-$round.log" 2>&1 \
+        | grep -v '"wcd_verify"' | sed "s/^/$v $round /" | cut -c1-260)
+    done; done
+    grep -hE "admitting b1|filled from .*100000" "$OUT"/logs/daemon-*.log | cut -c1-200
+    restart_ab | tee "$OUT/restart-ab.txt"
+    tar -C "$OUT" -czf "$OUT/round7-logs.tgz" logs && rm -r "$OUT/logs" ;;
   round6)  # GPU tests; the helpers A/B three times; restart of this tree (GPU and host)
     timeout 150 python3 -m pytest tests/gpu -v -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
       | grep -E "FAILED|ERROR|passed|failed" | cut -c1-300

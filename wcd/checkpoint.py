@@ -203,14 +203,16 @@ def header_from(file: Path, raw: bytes, data_start: int, file_size: int, columns
 PARSE_PIECE_BYTES = 128 << 10
 
 
-def _decode(file: Path, raw: bytes, lenient: bool = True) -> Any:
+def _decode(file: Path, raw: bytes, lenient: bool = True, in_pieces: bool = True) -> Any:
     """The header as `json.loads` reads it. pydantic_core's parser (already a dependency, through
     pydantic) builds the same objects in about 60% of the time. It is stricter: of 200,000 fuzzed
     headers it never accepted one that `json.loads` refuses nor read one differently (duplicate keys:
     the last wins for both), but it refuses some that `json.loads` accepts (lone surrogates, as
     escapes or as UTF-8 bytes; a BOM; UTF-16). Whatever it refuses goes to `json.loads`, so the
-    accepted headers and the error of a malformed one are `json.loads`'s."""
-    if len(raw) > 2 * PARSE_PIECE_BYTES:
+    accepted headers and the error of a malformed one are `json.loads`'s. `in_pieces`: a large
+    header is parsed a piece at a time (`_decode_in_pieces`; a helper process, which shares no GIL,
+    parses it whole)."""
+    if in_pieces and len(raw) > 2 * PARSE_PIECE_BYTES:
         doc = _decode_in_pieces(raw)
         if doc is not None:
             return doc
@@ -225,47 +227,61 @@ def _decode(file: Path, raw: bytes, lenient: bool = True) -> Any:
         raise LoadFailed(f"{file}: safetensors header is not valid JSON ({str(e)[:200]})") from None
 
 
-def _decode_in_pieces(raw: bytes) -> dict[str, Any] | None:
-    """The header object as from_json reads it whole, parsed in pieces of about PARSE_PIECE_BYTES
-    cut after an entry's value, at `},"` (or `}, "`); None (parse it whole) if any piece fails or
-    the text is laid out otherwise (other whitespace between tokens, a BOM).
+def member_pieces(raw: bytes, every: int) -> list[bytes] | None:
+    """The header object's text in pieces of about `every` bytes, cut after an entry's value, at
+    `},"` (or `}, "`), each closed (or opened) with a brace: JSON objects of consecutive members,
+    if every cut lies between two members; None (keep it whole) if the text is laid out otherwise
+    (other whitespace between tokens, a BOM).
 
-    The pieces, each closed (or opened) with a brace, parse only if every cut lies between two
-    members of the top-level object: a cut inside a string leaves the first piece's string
-    unterminated, one inside a nested object (`__metadata__`'s) leaves it unbalanced, one after
-    the object's end leaves text after it. So the members of the pieces, merged in order, are the
-    members of the whole, and a key repeated across pieces keeps the last value at its first
-    place, as in one parse. The cuts fall on ASCII bytes, never inside a UTF-8 sequence."""
+    The pieces parse only if every cut lies between two members of the top-level object: a cut
+    inside a string leaves the first piece's string unterminated, one inside a nested object
+    (`__metadata__`'s) leaves it unbalanced, one after the object's end leaves text after it. So
+    when every piece parses, their members, in order, are the members of the whole. The cuts fall
+    on ASCII bytes, never inside a UTF-8 sequence."""
     body = raw.rstrip(b" ")  # safetensors pads the header to 8 bytes with spaces
     if body[:2] != b'{"' or body[-1:] != b"}":
         return None
-    doc: dict[str, Any] = {}
+    pieces = []
     start, end = 1, len(body) - 1  # the first member; the closing brace
     while True:
-        cut = body.find(b"},", start + PARSE_PIECE_BYTES, end)
+        cut = body.find(b"},", start + every, end)
+        if cut < 0:
+            pieces.append(b"{" + body[start:])
+            return pieces
         after = cut + 2
-        while 0 <= cut and body[after : after + 1] == b" ":  # `}, "` as json.dumps writes it
+        while body[after : after + 1] == b" ":  # `}, "` as json.dumps writes it
             after += 1
-        if cut >= 0 and body[after : after + 1] != b'"':
+        if body[after : after + 1] != b'"':
             return None
+        pieces.append(b"{" + body[start : cut + 1] + b"}")
+        start = after  # the next member's key
+
+
+def _decode_in_pieces(raw: bytes) -> dict[str, Any] | None:
+    """The header object as from_json reads it whole, parsed in `member_pieces` of about
+    PARSE_PIECE_BYTES; None (parse it whole) if any piece fails or the text cannot be cut. A key
+    repeated across pieces keeps the last value at its first place, as in one parse."""
+    pieces = member_pieces(raw, PARSE_PIECE_BYTES)
+    if pieces is None:
+        return None
+    doc: dict[str, Any] = {}
+    for text in pieces:
         try:
-            piece = from_json(b"{" + (body[start:] if cut < 0 else body[start : cut + 1] + b"}"), allow_inf_nan=True)
+            piece = from_json(text, allow_inf_nan=True)
         except ValueError:
             return None
         if not isinstance(piece, dict):
             return None
         doc.update(piece)
-        if cut < 0:
-            return doc
-        start = after  # the next member's key
+    return doc
 
 
-def header_columns(raw: bytes, data_size: int, lenient: bool = True) -> Columns | None:
+def header_columns(raw: bytes, data_size: int, lenient: bool = True, in_pieces: bool = True) -> Columns | None:
     """The columns of a valid header with `data_size` bytes of data, or None for any header that
     `_parse` refuses (which then says why): what a helper process computes (`wcd.header_helpers`).
     Not `lenient`: None also for a header that only `json.loads` reads (see `_decode`)."""
     try:
-        doc = _decode(Path(), raw, lenient)
+        doc = _decode(Path(), raw, lenient, in_pieces)
     except LoadFailed:
         return None
     if not isinstance(doc, dict):
@@ -279,6 +295,39 @@ def header_columns(raw: bytes, data_size: int, lenient: bool = True) -> Columns 
         except WcdError:
             return None
     return columns
+
+
+def merge_columns(parts: Sequence[Columns]) -> Columns | None:
+    """One header's columns from those of its `member_pieces`, in order, each read as a header
+    (`header_columns`: valid, within the data section), or None where they could differ from the
+    whole's (then it is parsed whole): a name in two pieces (one parse keeps the last value at the
+    first place), or a piece with tensors before the last one of the piece before it (the whole's
+    stable sort by offset would interleave them). Tensors of two pieces that overlap: None too
+    (the whole's parse says so). C-level passes, and a Python step per piece and shape."""
+    parts = [part for part in parts if part[0]]  # a piece of `__metadata__` alone has no tensors
+    if len(parts) < 2:
+        return parts[0] if parts else ((), b"", (), array("I"), [], [], [], True)
+    if any(b[4][0] < a[4][-1] for a, b in pairwise(parts)):  # each piece is in file order already
+        return None
+    names = tuple(chain.from_iterable(part[0] for part in parts))
+    if len(set(names)) != len(names):
+        return None
+    index: dict[tuple[int, ...], int] = {}
+    ids = array("I")
+    for part in parts:
+        local = [index.setdefault(s, len(index)) for s in part[2]]
+        ids.extend(part[3] if local == list(range(len(local))) else map(local.__getitem__, part[3]))
+    begins = list(chain.from_iterable(part[4] for part in parts))
+    ends = list(chain.from_iterable(part[5] for part in parts))
+    sizes = list(chain.from_iterable(part[6] for part in parts))
+    # A contiguous piece is in header order: its last tensor is the one the next piece's first follows.
+    contiguous = all(part[7] for part in parts) and all(b[4][0] == a[5][-1] for a, b in pairwise(parts))
+    if not contiguous:
+        try:
+            check_overlaps(names, begins, sizes, ends)
+        except WcdError:
+            return None
+    return names, b"".join(part[1] for part in parts), tuple(index), ids, begins, ends, sizes, contiguous
 
 
 def _parse(file: Path, raw: bytes, data_start: int, file_size: int) -> Header:
@@ -519,6 +568,63 @@ def open_files(path: Path, follow_links: bool = False, owner_check: bool = True)
         os.close(top)
 
 
+class Shards:
+    """A checkpoint's shards, open, and their raw headers read but not parsed (`Checkpoint.open`
+    in two steps): what the fingerprint reads (`key.first_fingerprint`) while `parse` runs. Until a
+    parse succeeds, `close` is the caller's (another thread may still read the descriptors)."""
+
+    def __init__(self, path: Path, files: list[tuple[Path, int]], raws: list[tuple[bytes, int, int]]) -> None:
+        self.path, self.files, self.raws = path, files, raws  # raws: (raw header, data start, file size)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], follow_links: bool = False, owner_check: bool = True) -> Shards:
+        """Open every shard of `path` and read its raw header (see `Checkpoint.open`). A shard that
+        cannot be read raises its error after those of the shards before it that are not valid, as
+        a parse shard by shard would (they are parsed then, to find out)."""
+        p = Path(path).resolve()
+        files = open_files(p, follow_links, owner_check)
+        try:
+            raws = []
+            for file, fd in files:
+                try:
+                    raws.append(read_raw_header(fd, file))
+                except LoadFailed:  # the first bad shard's error
+                    for (before, _), raw in zip(files, raws):
+                        header_from(before, *raw)
+                    raise
+            return cls(p, files, raws)
+        except BaseException:
+            for _, fd in files:
+                os.close(fd)
+            raise
+
+    def parse(self, helpers: HeaderHelpers | None = None) -> Checkpoint:
+        """The checkpoint of these shards, their headers parsed (by `helpers` too, if given), and
+        owning their descriptors; a shard that is not valid raises its LoadFailed (nothing closed)."""
+        files, raws = self.files, self.raws
+        helped = 0
+        if helpers is None:
+            headers = tuple(header_from(file, *raw) for (file, _), raw in zip(files, raws))
+        else:
+            columns, helped = helpers.columns([(raw, size - start) for raw, start, size in raws])
+            headers = tuple(header_from(file, *raw, cols) for (file, _), raw, cols in zip(files, raws, columns))
+        if len(headers) > 1 and len(set(chain.from_iterable(h.names for h in headers))) != \
+                sum(len(h.names) for h in headers):
+            names: set[str] = set()
+            for name in chain.from_iterable(h.names for h in headers):  # the first duplicate, in load order
+                if name in names:
+                    raise LoadFailed(f"{self.path}: tensor {name!r} appears in more than one shard")
+                names.add(name)
+        ckpt = Checkpoint(self.path, headers, tuple(fd for _, fd in files), unique=True)
+        ckpt.helped = helped
+        return ckpt
+
+    def close(self) -> None:
+        files, self.files = self.files, []
+        for _, fd in files:
+            os.close(fd)
+
+
 class Checkpoint:
     """All shards of one checkpoint, open: their headers, and how they map onto an arena.
 
@@ -548,36 +654,11 @@ class Checkpoint:
         `follow_links`; with `owner_check`, a file the directory's owner could not read is refused.
         `helpers` parse large headers in other processes, beside each other (the same outcome).
         """
-        p = Path(path).resolve()
-        files = open_files(p, follow_links, owner_check)
-        helped = 0
+        shards = Shards.open(path, follow_links, owner_check)
         try:
-            if helpers is None:
-                headers = tuple(parse_header(fd, file) for file, fd in files)
-            else:
-                raws = []
-                for file, fd in files:
-                    try:
-                        raws.append(read_raw_header(fd, file))
-                    except LoadFailed:  # the first bad shard's error, as without helpers
-                        for (before, _), raw in zip(files, raws):
-                            header_from(before, *raw)
-                        raise
-                columns, helped = helpers.columns([(raw, size - start) for raw, start, size in raws])
-                headers = tuple(header_from(file, *raw, cols) for (file, _), raw, cols in zip(files, raws, columns))
-            if len(headers) > 1 and len(set(chain.from_iterable(h.names for h in headers))) != \
-                    sum(len(h.names) for h in headers):
-                names: set[str] = set()
-                for name in chain.from_iterable(h.names for h in headers):  # the first duplicate, in load order
-                    if name in names:
-                        raise LoadFailed(f"{p}: tensor {name!r} appears in more than one shard")
-                    names.add(name)
-            ckpt = cls(p, headers, tuple(fd for _, fd in files), unique=True)
-            ckpt.helped = helped
-            return ckpt
+            return shards.parse(helpers)
         except BaseException:
-            for _, fd in files:
-                os.close(fd)
+            shards.close()
             raise
 
     def close(self) -> None:

@@ -59,8 +59,10 @@ _NOT_INHERITED = ("NOTIFY_SOCKET", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES",
 
 
 def default_count() -> int:
-    """A helper per 4 cores, at most 4: none on a small host, where the loop needs the cores."""
-    return min(4, (os.cpu_count() or 1) // 4)
+    """A helper per 2 cores, at most 8; none on a host of fewer than 4, where the loop needs them.
+    They are busy only while large headers are parsed, and hold ~12 MB of memory each."""
+    cores = os.cpu_count() or 1
+    return min(8, cores // 2) if cores >= 4 else 0
 
 
 class _Helper:
@@ -96,13 +98,18 @@ class _Helper:
             self.proc.wait(5)
 
 
+def target_bytes(sizes: list[int], helpers: int) -> int:
+    """The bytes of raw header in a batch: at least MIN_HELPER_BYTES and about a tenth of what each
+    of the helpers and the calling thread would parse if the work were shared evenly (a few
+    batches each, so that whoever is first done takes another)."""
+    return max(MIN_HELPER_BYTES, sum(sizes) // (2 * (helpers + 1)))
+
+
 def batches(sizes: list[int], helpers: int) -> tuple[deque[list[int]], list[list[int]]]:
     """The jobs of raw headers of `sizes` bytes in batches of consecutive ones: (those worth sending
-    to a helper, those to parse here). A batch holds at least MIN_HELPER_BYTES and about a tenth of
-    what each of the helpers and the calling thread would parse if the work were shared evenly
-    (a few batches each, so that whoever is first done takes another); a header that large alone
-    is a batch. Many shards of small headers (a MoE checkpoint in 160 shards) go out together."""
-    target = max(MIN_HELPER_BYTES, sum(sizes) // (2 * (helpers + 1)))
+    to a helper, those to parse here), each of about `target_bytes`; a header that large alone is
+    a batch. Many shards of small headers (a MoE checkpoint in 160 shards) go out together."""
+    target = target_bytes(sizes, helpers)
     far: deque[list[int]] = deque()
     batch: list[int] = []
     held = 0
@@ -116,6 +123,25 @@ def batches(sizes: list[int], helpers: int) -> tuple[deque[list[int]], list[list
         far.append(batch)
         batch = []
     return far, [batch] if batch else []
+
+
+def split(jobs: Sequence[tuple[bytes, int]], helpers: int) -> tuple[list[tuple[bytes, int]], list[range]]:
+    """The jobs with each header of several `target_bytes` cut into that many pieces of consecutive
+    members (`checkpoint.member_pieces`), each parsed as a header of its own: the four 2.5 MB
+    headers of a 100,000-tensor checkpoint are 16 jobs for 8 helpers, not 4. Returns the jobs and,
+    per header, the range of those that are its pieces (one: the header whole)."""
+    from wcd.checkpoint import member_pieces
+
+    target = target_bytes([len(raw) for raw, _ in jobs], helpers)
+    work: list[tuple[bytes, int]] = []
+    owners: list[range] = []
+    for raw, data_size in jobs:
+        k = max(1, round(len(raw) / max(target, 1))) if helpers else 1
+        pieces = member_pieces(raw, len(raw) // k) if k > 1 else None
+        texts = pieces if pieces is not None else [raw]
+        owners.append(range(len(work), len(work) + len(texts)))
+        work.extend((text, data_size) for text in texts)
+    return work, owners
 
 
 def answer_within(raw_len: int) -> float:
@@ -189,9 +215,29 @@ class HeaderHelpers:
 
     def columns(self, jobs: Sequence[tuple[bytes, int]]) -> tuple[list[Columns | None], int]:
         """Each job's (raw header, data section size) columns, or None where the header is not
-        valid (`header_columns`), and how many the helpers read. Headers go to idle helpers in
-        batches (`batches`); the calling thread parses what is too small to send, and any batch
-        whose helper went, meanwhile, taking from the back while the helpers take from the front."""
+        valid (`header_columns`) or its pieces do not tell (`merge_columns`: it is parsed whole),
+        and how many the helpers read. Large headers are cut into pieces (`split`)."""
+        from wcd.checkpoint import merge_columns
+        from wcd.gcpause import gc_paused
+
+        work, owners = split(jobs, self.count)
+        pieces = {i for r in owners if len(r) > 1 for i in r}
+        results, by_helpers = self._parse(work, pieces)
+        columns: list[Columns | None] = []
+        helped = 0
+        with gc_paused():
+            for r in owners:
+                parts = [part for part in results[r.start : r.stop] if part is not None]
+                merged = results[r.start] if len(r) == 1 else merge_columns(parts) if len(parts) == len(r) else None
+                columns.append(merged)
+                helped += merged is not None and not by_helpers.isdisjoint(r)
+        return columns, helped
+
+    def _parse(self, jobs: list[tuple[bytes, int]], pieces: set[int]) -> tuple[list[Columns | None], set[int]]:
+        """Each job's columns (`header_columns`; only as pydantic_core reads them for the `pieces`),
+        and the jobs the helpers read. Jobs go to idle helpers in batches (`batches`); the calling
+        thread parses what is too small to send, and any batch whose helper went, meanwhile, taking
+        from the back while the helpers take from the front."""
         from wcd.checkpoint import header_columns
         from wcd.gcpause import gc_paused
 
@@ -201,7 +247,7 @@ class HeaderHelpers:
             self.start_soon()
         busy: dict[int, tuple[_Helper, list[int], float]] = {}  # by socket fd: helper, batch, deadline
         poll = select.poll()  # not select(): the daemon's descriptors go past FD_SETSIZE
-        helped = 0
+        helped: set[int] = set()
 
         def drop(fd: int) -> tuple[_Helper, list[int]]:
             poll.unregister(fd)
@@ -243,7 +289,8 @@ class HeaderHelpers:
                         self._give(helper)
                     for i, answer in zip(batch, answers):
                         results[i] = answer
-                        helped += answer is not None  # None: left to the daemon (which says why)
+                        if answer is not None:  # None: left to the daemon (which says why)
+                            helped.add(i)
                 if not ready and busy and not (near or far):
                     now = time.monotonic()
                     for fd in [fd for fd, (_, _, deadline) in busy.items() if deadline <= now]:
@@ -254,7 +301,7 @@ class HeaderHelpers:
                     batch = near.pop() if near else far.pop()
                     with gc_paused():
                         for i in batch:
-                            results[i] = header_columns(*jobs[i])
+                            results[i] = header_columns(*jobs[i], lenient=i not in pieces)
         finally:
             for helper, _, _ in busy.values():  # interrupted: their answers are not read
                 self._lose(helper)
@@ -392,7 +439,7 @@ def _serve(sock: socket.socket, header_columns: Callable[..., Columns | None]) -
             try:
                 # Only what pydantic_core reads: `json.loads`'s refusals depend on the caller's
                 # stack depth (nesting), so headers only it would read are the daemon's to parse.
-                columns = header_columns(raw, data_size, lenient=False)
+                columns = header_columns(raw, data_size, lenient=False, in_pieces=False)
                 payload = b"" if columns is None else _encode(columns)
             except Exception:  # noqa: BLE001 - whatever fails here, the daemon parses it and says why
                 payload = b""

@@ -11,13 +11,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from wcd.arenas.base import HOST_DEVICE
-from wcd.checkpoint import MAX_HEADER_BYTES, SAMPLE_BYTES, SAMPLES_PER_FILE, Checkpoint
+from wcd.checkpoint import MAX_HEADER_BYTES, SAMPLE_BYTES, SAMPLES_PER_FILE, Checkpoint, Shards
 from wcd.errors import LoadFailed
 
 Text = Annotated[str, StringConstraints(max_length=1024)]
@@ -77,14 +78,29 @@ def fingerprint(ckpt: Checkpoint) -> str:
     if known is not None and all(_hash_samples(before.copy(), fd, h.data_start, h.file_size).digest() == after
                                  for (before, after), h, fd in zip(known[1], ckpt.headers, ckpt.fds)):
         return known[0]
+    ckpt.fingerprinted = _fingerprint((h.file.name, h.file_size, h.raw, h.data_start, fd)
+                                      for h, fd in zip(ckpt.headers, ckpt.fds))
+    return ckpt.fingerprinted[0]
+
+
+def first_fingerprint(shards: Shards) -> tuple[str, tuple[tuple[Any, bytes], ...]]:
+    """`fingerprint`'s value and memo for the checkpoint these shards parse into, from their raw
+    headers: the daemon computes it beside the parse (hashing and reading drop the GIL), and sets
+    it as the checkpoint's `fingerprinted`."""
+    return _fingerprint((file.name, size, raw, start, fd)
+                        for (file, fd), (raw, start, size) in zip(shards.files, shards.raws))
+
+
+def _fingerprint(shards: Iterable[tuple[str, int, bytes, int, int]]) -> tuple[str, tuple[tuple[Any, bytes], ...]]:
+    """The fingerprint of (name, file size, raw header, data start, fd) per shard, and per shard the
+    hash's state before its samples and its digest after them."""
     h = hashlib.blake2b(digest_size=16)
     marks = []
-    for header, fd in zip(ckpt.headers, ckpt.fds):
-        _hash_head(h, header.file.name, header.file_size, header.raw)
+    for name, size, raw, data_start, fd in shards:
+        _hash_head(h, name, size, raw)
         before = h.copy()
-        marks.append((before, _hash_samples(h, fd, header.data_start, header.file_size).digest()))
-    ckpt.fingerprinted = (h.hexdigest(), tuple(marks))
-    return h.hexdigest()
+        marks.append((before, _hash_samples(h, fd, data_start, size).digest()))
+    return h.hexdigest(), tuple(marks)
 
 
 def fingerprint_unparsed(files: list[tuple[Path, int]]) -> str:

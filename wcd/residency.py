@@ -30,13 +30,12 @@ from typing import Any, TypeVar
 from wcd import parking, systemd
 from wcd.arenas import Arena, ArenaBackend, backend_for, device_memory, is_gpu_device, loaded_backends
 from wcd.cache import Entry, Lease, Origin, Retention
-from wcd.checkpoint import Checkpoint, open_files
+from wcd.checkpoint import Checkpoint, Shards, open_files
 from wcd.config import Config, ModelConfig, format_size, parse_size
 from wcd.errors import BadRequest, Busy, DeviceUnavailable, LoadFailed, NotFound, WcdError
 from wcd.header_helpers import HeaderHelpers
 from wcd.header_helpers import default_count as default_helpers
-from wcd.key import HOST_DEVICE, WeightCacheKey, fingerprint_unparsed
-from wcd.key import fingerprint as key_fingerprint
+from wcd.key import HOST_DEVICE, WeightCacheKey, fingerprint_unparsed, first_fingerprint
 from wcd.loader import Cancelled, content_digest, default_workers, digest_arena, fill_arena, verify_arena
 from wcd.manifest import Manifest
 from wcd.metrics import Metrics
@@ -194,16 +193,23 @@ class Residency:
         canonical = self.canonical_device(device)
         self._prepare(canonical)
         started = time.monotonic()
-        ckpt = await asyncio.to_thread(Checkpoint.open, path, follow_links, helpers=self._parse_with)
+        shards = await asyncio.to_thread(Shards.open, path, follow_links)
+        try:
+            # The fingerprint hashes and reads with the GIL released (10 MB of headers at 100,000
+            # tensors): beside the parse, which holds it, or waits for the helpers.
+            fingerprinted, ckpt = await _both(lambda: first_fingerprint(shards), lambda: shards.parse(self._parse_with))
+        except BaseException:
+            shards.close()  # once both have ended: they read through these descriptors
+            raise
+        ckpt.fingerprinted = fingerprinted
         opened = time.monotonic()
         try:
-            # 100,000 tensors take tens of ms to lay out: off the loop, like the reads, and beside the
-            # fingerprint, which hashes and reads with the GIL released (10 MB of headers at 100,000).
-            fingerprint, manifest = await _both(lambda: key_fingerprint(ckpt), ckpt.manifest)
-            log.info("admitting %s: %d shards, headers read in %.3f s%s, fingerprint and layout %.3f s", name,
+            # 100,000 tensors take tens of ms to lay out: off the loop, like the reads.
+            manifest = await asyncio.to_thread(ckpt.manifest)
+            log.info("admitting %s: %d shards, headers read and fingerprinted in %.3f s%s, layout %.3f s", name,
                      len(ckpt.fds), opened - started, f" ({ckpt.helped} by helpers)" if ckpt.helped else "",
                      time.monotonic() - opened)
-            key = WeightCacheKey(model=name, path=str(ckpt.path), fingerprint=fingerprint, device=canonical)
+            key = WeightCacheKey(model=name, path=str(ckpt.path), fingerprint=fingerprinted[0], device=canonical)
             nbytes = backend_for(canonical).arena_size(manifest.size, canonical)
             if replacing is not None:
                 self.reclaim(self.cache.load_failed(replacing))

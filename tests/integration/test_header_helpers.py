@@ -223,8 +223,8 @@ def test_helpers_that_cannot_start_say_so_in_one_line_and_the_daemon_parses(
         pool.close()
 
 
-def test_default_count_is_a_helper_per_four_cores(monkeypatch: pytest.MonkeyPatch) -> None:
-    for cores, want in [(1, 0), (2, 0), (3, 0), (4, 1), (8, 2), (16, 4), (128, 4)]:
+def test_default_count_is_a_helper_per_two_cores_from_four(monkeypatch: pytest.MonkeyPatch) -> None:
+    for cores, want in [(1, 0), (2, 0), (3, 0), (4, 2), (5, 2), (8, 4), (16, 8), (128, 8)]:
         monkeypatch.setattr(os, "cpu_count", lambda cores=cores: cores)
         assert header_helpers.default_count() == want
 
@@ -256,7 +256,7 @@ def test_daemon_parses_a_large_checkpoint_with_its_helpers_and_they_end_with_it(
         entry = c.load("moe", ckpt, device="cpu", wait=True)
         assert entry["tensors"] == 48_000, entry
     log = d.log.read_text()
-    parsed = re.search(r"admitting moe: 4 shards, headers read in [0-9.]+ s \((\d) by helpers\)", log)
+    parsed = re.search(r"admitting moe: 4 shards, headers read and fingerprinted in [0-9.]+ s \((\d) by helpers\)", log)
     assert parsed and int(parsed[1]) >= 2, log  # both helpers took one
     assert "header helper" not in log  # none failed
     d.proc.kill()
@@ -533,4 +533,5 @@ def test_a_second_clients_ping_stays_fast_while_loads_parse_with_helpers(make_da
         assert_fast(pings)
     except AssertionError as e:  # what the daemon did meanwhile, for whoever reads the failure
         raise AssertionError(f"{e}\n{d.log.read_text()[-3000:]}") from None
-    assert re.search(r"admitting moe\d: 4 shards, headers read in [0-9.]+ s \([1-4] by helpers\)", d.log.read_text())
+    assert re.search(r"admitting moe\d: 4 shards, headers read and fingerprinted in [0-9.]+ s \([1-4] by helpers\)",
+                     d.log.read_text())

@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from pydantic_core import from_json
 
+from tests.unit.test_checkpoint_bulk import any_headers
 from wcd import checkpoint
 
 TRICKY = st.sampled_from(['},"', '}, "', '"', "\\", "{", "}", ",", ":", "é", "\u2028", "\0", " "])
@@ -89,3 +90,60 @@ def test_a_big_header_does_not_hold_the_gil_for_its_whole_parse(tmp_path: Path) 
     took = time.perf_counter() - started
     assert max(waits) < max(0.03, took / 8), (
         f"a thread waited {max(waits) * 1000:.0f} ms for the GIL during a {took * 1000:.0f} ms parse")
+
+
+def columns_of(raw: bytes, data_size: int) -> Any:
+    got = checkpoint.header_columns(raw, data_size, lenient=False, in_pieces=False)
+    return None if got is None else (*got[:3], list(got[3]), *got[4:])
+
+
+@settings(max_examples=600, deadline=None)
+@given(header_doc=any_headers, repeats=st.lists(st.integers(0, 7), max_size=2),
+       separators=st.sampled_from([(",", ":"), (", ", ": ")]), every=st.integers(1, 200))
+def test_pieces_parsed_apart_and_merged_are_the_header_parsed_whole(header_doc: tuple[dict[str, Any], int],
+                                                                      repeats: list[int],
+                                                                      separators: tuple[str, str],
+                                                                      every: int) -> None:
+    """What header helpers do with a large header (`header_helpers.split`): its `member_pieces`
+    parsed as headers of their own and merged (`merge_columns`) give the whole's columns, or None
+    (then it is parsed whole); valid headers without a repeated name, in file order, always merge."""
+    doc, data_size = header_doc
+    entries = list(doc.items())
+    for k in repeats:  # a name again, further on: one parse keeps the last value at the first place
+        if entries:
+            entries.append((entries[k % len(entries)][0], entries[-1][1]))
+    raw = header(entries, separators, 0)
+    whole = columns_of(raw, data_size)
+    pieces = checkpoint.member_pieces(raw, every)
+    if pieces is None:
+        return
+    parts = [checkpoint.header_columns(p, data_size, lenient=False, in_pieces=False) for p in pieces]
+    if None in parts:  # a piece that is no header (a cut inside the metadata): parsed whole
+        return
+    merged = checkpoint.merge_columns(parts)
+    event("merged" if merged is not None else "left to one parse")
+    if merged is not None:
+        assert (*merged[:3], list(merged[3]), *merged[4:]) == whole
+    elif whole is not None:  # refused only for a reason of its own
+        names = [name for name, _ in entries if name != "__metadata__"]
+        begins = [b for part in parts for b in part[4]]
+        assert len(set(names)) < len(names) or begins != sorted(begins)
+
+
+def test_a_name_in_two_pieces_or_pieces_out_of_order_are_left_to_one_parse() -> None:
+    def entry(begin: int) -> dict[str, Any]:
+        return {"dtype": "U8", "shape": [4], "data_offsets": [begin, begin + 4]}
+
+    def parts(entries: list[tuple[str, Any]]) -> list[Any]:
+        pieces = checkpoint.member_pieces(header(entries, (",", ":"), 0), 1)
+        assert pieces is not None and len(pieces) == len(entries)
+        return [checkpoint.header_columns(p, 64) for p in pieces]
+
+    in_order = [("a", entry(0)), ("b", entry(4)), ("__metadata__", {"k": "v"}), ("c", entry(8))]
+    merged = checkpoint.merge_columns(parts(in_order))
+    assert merged is not None and merged[0] == ("a", "b", "c") and merged[4] == [0, 4, 8] and merged[-1]
+    assert checkpoint.merge_columns(parts([("a", entry(0)), ("b", entry(4)), ("a", entry(8))])) is None
+    assert checkpoint.merge_columns(parts([("a", entry(4)), ("b", entry(0))])) is None
+    assert checkpoint.merge_columns(parts([("a", entry(0)), ("b", entry(2))])) is None  # overlap across pieces
+    gap = checkpoint.merge_columns(parts([("a", entry(0)), ("b", entry(16))]))
+    assert gap is not None and gap[4] == [0, 16] and not gap[-1]
