@@ -25,6 +25,8 @@
 #   bash bench/device_run.sh round6b  GPU tests; 64 shards at 100k: bench_admit, warm loads with and without helpers;
 #                                     restart A/B against oldtree/
 #   bash bench/device_run.sh round6   GPU tests; the helpers A/B three times; restart with a 100k entry kept
+#   bash bench/device_run.sh round7b  GPU tests; helpers' next batch before the answer's unpacking: loads A/B against
+#                                     oldtree/, three rounds; 16 GB warm; restart with a 100k entry kept
 #   bash bench/device_run.sh round7   GPU tests; 8 helpers and pieces of shards: 1.6 GB 1k/100k warm loads against
 #                                     oldtree/ (alternated, three rounds); restart A/B
 #   bash bench/device_run.sh helpers [N]  bench_admit with header helpers; 1.6 GB warm loads with and without them
@@ -201,6 +203,32 @@ print('primary context: retain', round((time.perf_counter() - t) * 1e3, 1), 'ms;
     grep -hE "admitting b1" "$OUT"/logs/daemon64-*.log | cut -c1-160
     restart_ab | tee "$OUT/restart-ab.txt"
     tar -C "$OUT" -czf "$OUT/round6b-logs.tgz" logs && rm -r "$OUT/logs" ;;
+  round7b)  # GPU tests; bench_admit with 8 helpers; 1.6 GB 1k/100k warm loads of oldtree/ and this tree,
+    # alternated, three rounds; the 16 GB warm load; restart of this tree with a 1.6 GB 100k entry kept
+    timeout 150 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
+      | grep -E "FAILED|ERROR|passed|failed" | cut -c1-300
+    python3 -m compileall -q oldtree/wcd >/dev/null
+    timeout 120 python3 bench/bench_admit.py --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --ckpt 1.6:100000 --reps 7 \
+      --helpers 8 2>&1 | tee "$OUT/admit.txt" | tail -3
+    mkdir -p "$OUT/logs"
+    for round in 1 2 3; do for v in old new; do
+      R=$PWD; [ $v = old ] && R=$PWD/oldtree
+      (cd "$R" && PYTHONPATH=/tmp/site:$R BENCH_DAEMON_LOG_LEVEL=debug timeout 150 \
+        python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --ckpt 1.6:100000 \
+        --reps 3 --loaders wcd --out "$OUT/logs/load-$v-$round.json" --daemon-log "$OUT/logs/daemon-$v-$round.log" 2>&1 \
+        | grep -v '"wcd_verify"' | sed "s/^/$v $round /" | cut -c1-260)
+    done; done
+    grep -hE "admitting b1|filled from .*100000" "$OUT"/logs/daemon-new-*.log | cut -c1-200
+    BENCH_DAEMON_LOG_LEVEL=debug timeout 200 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load \
+      --ckpt 16:1000 --reps 3 --loaders wcd --out "$OUT/logs/load-16gb.json" --daemon-log "$OUT/logs/daemon-16gb.log" \
+      2>&1 | grep -v '"wcd_verify"' | cut -c1-300
+    grep -hE "filled from|loaded" "$OUT/logs/daemon-16gb.log" | cut -c1-200
+    for dev in cuda:0 cpu; do
+      timeout 60 python3 bench/bench_restart.py --device $dev --ckpt /tmp/wcd-bench-load/1.6gb-100000 --restarts 7 \
+        > "$OUT/logs/restart-${dev%%:*}.json" 2>"$OUT/logs/restart-err.log"
+      echo "restart $dev $(python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print([round(x,3) for x in d['exec_to_ready_s']], d['daemon_says'][-1][:150])" "$OUT/logs/restart-${dev%%:*}.json" 2>&1)"
+    done
+    tar -C "$OUT" -czf "$OUT/round7b-logs.tgz" logs && rm -r "$OUT/logs" ;;
   round7)  # GPU tests; bench_admit with 8 helpers; 1.6 GB 1k/100k warm loads of oldtree/ (4 helpers, whole shards)
     # and this tree (8 helpers by default, and 4: pieces of shards; the fingerprint beside the parse),
     # alternated, three rounds; restart A/B

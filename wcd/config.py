@@ -123,7 +123,7 @@ class DaemonConfig(BaseModel):
     budget: dict[str, Size] = {}
     load_workers: Annotated[int, Field(ge=1, le=256)] | None = None
     # Processes that parse large safetensors headers beside each other (wcd.header_helpers); 0:
-    # parsed in the daemon; unset: one per 4 cores, at most 4. Read at start-up.
+    # parsed in the daemon; unset: one per 2 cores on hosts of 4 or more, at most 8. Read at start-up.
     header_helpers: Annotated[int, Field(ge=0, le=64)] | None = None
     # Seconds a GPU's CUDA context and pinned staging stay after its last load, for the next one
     # (0: released at once; inf: kept while the daemon runs, a context's memory on each GPU). A GPU

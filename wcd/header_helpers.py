@@ -5,7 +5,9 @@ cannot share the work: the four headers of a 100,000-tensor checkpoint took 0.19
 admission on the H200 host, twice the copies' time. So a daemon on a host with cores to spare keeps
 a few helper processes (`daemon.header_helpers`; started after READY, from the thread that starts
 the workers, or by the first parse that needs them) and hands them raw header bytes in batches: a
-helper opens no file and holds no descriptor but its socket. It runs the daemon's own parse and
+helper opens no file and holds no descriptor but its socket. A header larger than a batch is cut
+into pieces of whole members (`split`), so that one shard of 25,000 tensors keeps several helpers
+busy, and the pieces' columns are merged (`checkpoint.merge_columns`). It runs the daemon's own parse and
 checks (`header_columns`) and sends the columns back as msgpack, which the daemon unpacks in a few
 ms per 25,000 tensors; meanwhile the calling thread parses the batches that are left. What a helper
 cannot read (a header that is not valid, one only `json.loads` reads, a helper that has gone,
@@ -76,13 +78,14 @@ class _Helper:
             self.sock.sendall(len(raw).to_bytes(8, "little") + data_size.to_bytes(8, "little"))
             self.sock.sendall(raw)
 
-    def receive(self, jobs: list[tuple[bytes, int]]) -> list[Columns | None]:
-        answers: list[Columns | None] = []
-        for raw, data_size in jobs:
+    def receive(self, jobs: list[tuple[bytes, int]]) -> list[bytes]:
+        """The answers' bytes (b"": parse it yourself), bounded, not decoded yet (`answer`)."""
+        answers = []
+        for raw, _ in jobs:
             n = int.from_bytes(_recv_exact(self.sock, 8), "little")
             if n > 2 * len(raw) + (1 << 20):  # columns take less room than their JSON
                 raise ValueError(f"an answer of {n} bytes for a header of {len(raw)}")
-            answers.append(_checked(_decode(_recv_exact(self.sock, n)), data_size) if n else None)
+            answers.append(_recv_exact(self.sock, n) if n else b"")
         return answers
 
     def wait_ready(self) -> None:
@@ -235,9 +238,9 @@ class HeaderHelpers:
 
     def _parse(self, jobs: list[tuple[bytes, int]], pieces: set[int]) -> tuple[list[Columns | None], set[int]]:
         """Each job's columns (`header_columns`; only as pydantic_core reads them for the `pieces`),
-        and the jobs the helpers read. Jobs go to idle helpers in batches (`batches`); the calling
-        thread parses what is too small to send, and any batch whose helper went, meanwhile, taking
-        from the back while the helpers take from the front."""
+        and the jobs the helpers read. Jobs go to idle helpers in batches (`batches`), a helper's
+        next batch as soon as its answer is read; the calling thread unpacks the answers and parses
+        what no helper is to take, from the back while the helpers take from the front."""
         from wcd.checkpoint import header_columns
         from wcd.gcpause import gc_paused
 
@@ -254,25 +257,39 @@ class HeaderHelpers:
             helper, batch, _ = busy.pop(fd)
             return helper, batch
 
+        def dispatch() -> None:
+            while far and (helper := self._take()) is not None:
+                batch = far.popleft()
+                try:
+                    helper.send([jobs[i] for i in batch])
+                except OSError:
+                    self._lose(helper)
+                    far.appendleft(batch)
+                    continue
+                deadline = time.monotonic() + answer_within(sum(len(jobs[i][0]) for i in batch))
+                busy[helper.sock.fileno()] = helper, batch, deadline
+                poll.register(helper.sock, select.POLLIN)
+
+        def lose(helper: _Helper) -> None:
+            """Drop a helper that answered garbage, and take back the batch it has now, if any."""
+            fd = helper.sock.fileno()
+            if fd in busy and busy[fd][0] is helper:
+                near.append(drop(fd)[1])
+            self._lose(helper)
+
         try:
             while True:
-                while far and (helper := self._take()) is not None:
-                    batch = far.popleft()
-                    try:
-                        helper.send([jobs[i] for i in batch])
-                    except OSError:
-                        self._lose(helper)
-                        far.appendleft(batch)
-                        continue
-                    deadline = time.monotonic() + answer_within(sum(len(jobs[i][0]) for i in batch))
-                    busy[helper.sock.fileno()] = helper, batch, deadline
-                    poll.register(helper.sock, select.POLLIN)
+                dispatch()
                 if not (near or far or busy):
                     return results, helped
-                # Collect what helpers have finished; wait for them only when nothing is left to
-                # parse here, and never past a helper's deadline: then its headers are parsed here.
+                # Parse here only what no helper is to take: what is too small to send, the batches
+                # of helpers that went, and batches past what the busy helpers come back for (none
+                # started yet, or more batches than helpers). Collect what helpers have finished
+                # first; wait for them only when nothing is left to parse here, and never past a
+                # helper's deadline: then its headers are parsed here.
+                mine = bool(near) or len(far) > len(busy)
                 wait_ms = 0
-                if busy and not (near or far):
+                if busy and not mine:
                     wait_ms = max(0, math.ceil((min(d for _, _, d in busy.values()) - time.monotonic()) * 1e3))
                 ready = poll.poll(wait_ms) if busy else []
                 for fd, _ in ready:
@@ -287,21 +304,31 @@ class HeaderHelpers:
                         self._retire(helper)  # its heap grew with that header: a fresh one instead
                     else:
                         self._give(helper)
-                    for i, answer in zip(batch, answers):
+                    dispatch()  # its next batch goes out before this one is unpacked
+                    try:
+                        with gc_paused():
+                            columns = [_checked(_decode(a), jobs[i][1]) if a else None for i, a in zip(batch, answers)]
+                    except Exception:  # noqa: BLE001 - garbage: that helper goes, its headers are parsed here
+                        lose(helper)
+                        near.append(batch)
+                        continue
+                    for i, answer in zip(batch, columns):
                         results[i] = answer
                         if answer is not None:  # None: left to the daemon (which says why)
                             helped.add(i)
-                if not ready and busy and not (near or far):
+                if ready:
+                    continue
+                if not mine:
                     now = time.monotonic()
                     for fd in [fd for fd, (_, _, deadline) in busy.items() if deadline <= now]:
                         helper, batch = drop(fd)
                         self._lose(helper)
                         near.append(batch)
-                if not ready and (near or far):
-                    batch = near.pop() if near else far.pop()
-                    with gc_paused():
-                        for i in batch:
-                            results[i] = header_columns(*jobs[i], lenient=i not in pieces)
+                    continue
+                batch = near.pop() if near else far.pop()
+                with gc_paused():
+                    for i in batch:
+                        results[i] = header_columns(*jobs[i], lenient=i not in pieces)
         finally:
             for helper, _, _ in busy.values():  # interrupted: their answers are not read
                 self._lose(helper)
