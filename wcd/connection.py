@@ -379,7 +379,7 @@ class Connection:
                 self._flush()
                 # Written at once (a client reading as fast as replies come): the reader was never
                 # paused, so the flush did not go on; nothing more may arrive to wake this connection.
-                if held and not self._failed and self._out_bytes <= OUTPUT_HIGH_WATER:
+                if held and not self._failed and self._out_bytes <= OUTPUT_HIGH_WATER and self.decoder.has_frame():
                     self._serve_later()
 
     def _serve_later(self) -> None:
@@ -478,8 +478,11 @@ class Connection:
                 self.close()
                 return
         self._recharge()
-        if not self._reading and not self._failed and self._out_bytes <= OUTPUT_HIGH_WATER and self.decoder.buffered:
-            self._serve_later()  # requests that arrived while its replies were piling up
+        if not self._reading and not self._failed and self._out_bytes <= OUTPUT_HIGH_WATER and self.decoder.has_frame():
+            # Requests that arrived while its replies were piling up. Only whole ones: the rest of
+            # a frame still arriving is for the reader (served now, it would find nothing, and
+            # with the reader off for it, wait forever, spinning).
+            self._serve_later()
         self._update_reader()
 
     def close(self) -> None:

@@ -70,6 +70,14 @@ class FrameDecoder:
         if len(self._fds) > 4 * MAX_FDS_PER_FRAME:
             raise ProtocolError(f"more than {4 * MAX_FDS_PER_FRAME} unclaimed file descriptors")
 
+    def has_frame(self) -> bool:
+        """Whether `next_message` has more than None to give: a whole frame, or a length past the
+        limit (its error). Bytes of a frame still arriving are not one."""
+        if len(self._buf) < 4:
+            return False
+        (n,) = _LEN.unpack_from(self._buf)
+        return n > self._max_frame or len(self._buf) >= 4 + n
+
     def next_message(self) -> tuple[dict[str, Any], list[int]] | None:
         """The next complete message and the fds it announced, or None if more bytes are needed."""
         if len(self._buf) < 4:

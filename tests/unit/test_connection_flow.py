@@ -53,3 +53,46 @@ def test_replies_past_the_output_limit_written_at_once_do_not_stall_the_requests
     more arriving from the client to wake the connection."""
     monkeypatch.setattr(connection, "OUTPUT_HIGH_WATER", high_water)
     assert asyncio.run(pipelined(500, 100)) == 500
+
+
+def test_a_frame_still_arriving_after_a_full_batch_is_read_not_spun_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """100 requests and the first bytes of a 101st in one write, the rest later: the batch limit
+    stops the first pass, the second ends on the partial frame, which is the reader's to finish
+    (served again and again, it spun the loop and the last reply never came)."""
+    serves = 0
+    serve = Connection._serve
+
+    def counted(self: Connection) -> None:
+        nonlocal serves
+        serves += 1
+        serve(self)
+
+    monkeypatch.setattr(Connection, "_serve", counted)
+
+    async def run() -> int:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        theirs.setblocking(False)
+        ours.setblocking(False)
+        conn = Connection(theirs, 0, 0, 0, lambda c, m: c.send({"id": m["id"], "ok": True}), lambda _: None,
+                          Quotas(LIMITS))
+        loop = asyncio.get_running_loop()
+        frames = [protocol.encode({"op": "ping", "id": i}) for i in range(101)]
+        await loop.sock_sendall(ours, b"".join(frames[:100]) + frames[100][:3])
+        decoder, got = protocol.FrameDecoder(), 0
+        try:
+            while got < 100:
+                decoder.feed(await asyncio.wait_for(loop.sock_recv(ours, 1 << 20), 5))
+                while decoder.next_message() is not None:
+                    got += 1
+            await asyncio.sleep(0.2)  # a spinning connection would serve thousands of times meanwhile
+            await loop.sock_sendall(ours, frames[100][3:])
+            decoder.feed(await asyncio.wait_for(loop.sock_recv(ours, 1 << 20), 5))
+            while decoder.next_message() is not None:
+                got += 1
+        finally:
+            conn.close()
+            ours.close()
+        return got
+
+    assert asyncio.run(run()) == 101
+    assert serves < 20, f"{serves} passes over the connection's buffer"
