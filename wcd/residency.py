@@ -25,7 +25,7 @@ from collections.abc import Callable, Coroutine, Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from wcd import parking, systemd
 from wcd.arenas import Arena, ArenaBackend, backend_for, device_memory, is_gpu_device, loaded_backends
@@ -193,11 +193,12 @@ class Residency:
         canonical = self.canonical_device(device)
         self._prepare(canonical)
         started = time.monotonic()
-        shards = await asyncio.to_thread(Shards.open, path, follow_links)
+        shards = await _opened(lambda: Shards.open(path, follow_links))
         try:
             # The fingerprint hashes and reads with the GIL released (10 MB of headers at 100,000
-            # tensors): beside the parse, which holds it, or waits for the helpers.
-            fingerprinted, ckpt = await _both(lambda: first_fingerprint(shards), lambda: shards.parse(self._parse_with))
+            # tensors): beside the parse, which holds it, or waits for the helpers. A header's
+            # error goes before a read error of the samples, as when they ran one after the other.
+            ckpt, fingerprinted = await _both(lambda: shards.parse(self._parse_with), lambda: _fingerprint(shards))
         except BaseException:
             shards.close()  # once both have ended: they read through these descriptors
             raise
@@ -416,8 +417,8 @@ class Residency:
                 return await asyncio.to_thread(compare)
             if not Path(entry.key.path).exists():
                 raise NotFound(f"{entry.key.path} is gone: nothing to verify {entry.name!r} against")
-            ckpt = await asyncio.to_thread(Checkpoint.open, entry.key.path, self._follow_links(entry.name),
-                                           helpers=self._parse_with)
+            ckpt = await _opened(lambda: Checkpoint.open(entry.key.path, self._follow_links(entry.name),
+                                                         helpers=self._parse_with))
             try:
                 # One pass: each worker reads a range of the arena and the same tensors' bytes from
                 # the files, compares them and hashes the arena's side only.
@@ -786,16 +787,48 @@ def _quiet(future: asyncio.Future[Any]) -> None:
         future.exception()
 
 
+def _fingerprint(shards: Shards) -> tuple[str, tuple[tuple[Any, bytes], ...]]:
+    """`first_fingerprint`, a failed read said as a load's error."""
+    try:
+        return first_fingerprint(shards)
+    except OSError as e:
+        raise LoadFailed(f"{shards.path}: cannot read: {e.strerror or e}") from None
+
+
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+C = TypeVar("C", bound=_Closable)
+
+
+async def _opened(call: Callable[[], C]) -> C:
+    """`call()` in a thread: what it opens; cancelled meanwhile, that is closed once it is open."""
+    future = asyncio.ensure_future(asyncio.to_thread(call))
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        future.add_done_callback(_close_result)
+        raise
+
+
+def _close_result(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled() and future.exception() is None:
+        future.result().close()
+
+
 async def _both(first: Callable[[], T], second: Callable[[], U]) -> tuple[T, U]:
     """Run two calls in threads at once and return both results, or raise the first's error, then
     the second's, only once both have ended (they read through descriptors their caller closes on
-    an error). Cancelled, it still waits for both before the CancelledError goes on."""
+    an error). Cancelled, even again and again, it still waits for both before the CancelledError
+    goes on."""
     calls = asyncio.ensure_future(asyncio.to_thread(first)), asyncio.ensure_future(asyncio.to_thread(second))
     try:
         await asyncio.shield(asyncio.wait(calls))
     except asyncio.CancelledError:
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait(calls)
+        while not all(call.done() for call in calls):
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait(calls)
         for call in calls:
             if call.done() and not call.cancelled():
                 call.exception()  # retrieved: the cancellation is what goes on

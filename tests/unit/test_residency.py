@@ -129,5 +129,48 @@ def test_both_waits_for_both_calls_whatever_ends_it() -> None:
         with pytest.raises(asyncio.CancelledError):
             await task
         assert sorted(ended) == ["a", "b"]  # both ended before the cancellation went on
+        ended.clear()
+        task = asyncio.ensure_future(_both(lambda: slow("a"), lambda: slow("b")))
+        for _ in range(3):  # cancelled again while it waits for them
+            await asyncio.sleep(0.03)
+            task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert sorted(ended) == ["a", "b"]
+
+    asyncio.run(main())
+
+
+def test_what_a_cancelled_open_opened_is_closed() -> None:
+    """`_opened`: cancelled while its thread opens, the result is closed once it is there."""
+    import threading
+
+    from wcd.residency import _opened
+
+    closed = threading.Event()
+    go = threading.Event()
+
+    class Opened:
+        def close(self) -> None:
+            closed.set()
+
+    def opening() -> Opened:
+        go.wait(5)
+        return Opened()
+
+    async def main() -> None:
+        task = asyncio.ensure_future(_opened(opening))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not closed.is_set()
+        go.set()
+        for _ in range(100):
+            if closed.is_set():
+                break
+            await asyncio.sleep(0.01)
+        assert closed.is_set()
+        assert isinstance(await _opened(Opened), Opened)
 
     asyncio.run(main())
