@@ -25,6 +25,8 @@
 #   bash bench/device_run.sh round6b  GPU tests; 64 shards at 100k: bench_admit, warm loads with and without helpers;
 #                                     restart A/B against oldtree/
 #   bash bench/device_run.sh round6   GPU tests; the helpers A/B three times; restart with a 100k entry kept
+#   bash bench/device_run.sh round7c  GPU tests; raw headers through a memfd, cheaper checks: loads A/B/C against
+#                                     oldtree/ (ddca013) and oldtree2/ (557f1c6), three rounds
 #   bash bench/device_run.sh round7b  GPU tests; helpers' next batch before the answer's unpacking: loads A/B against
 #                                     oldtree/, three rounds; 16 GB warm; restart with a 100k entry kept
 #   bash bench/device_run.sh round7   GPU tests; 8 helpers and pieces of shards: 1.6 GB 1k/100k warm loads against
@@ -203,6 +205,23 @@ print('primary context: retain', round((time.perf_counter() - t) * 1e3, 1), 'ms;
     grep -hE "admitting b1" "$OUT"/logs/daemon64-*.log | cut -c1-160
     restart_ab | tee "$OUT/restart-ab.txt"
     tar -C "$OUT" -czf "$OUT/round6b-logs.tgz" logs && rm -r "$OUT/logs" ;;
+  round7c)  # GPU tests; bench_admit with 8 helpers; 1.6 GB 1k/100k warm loads of oldtree/ (ddca013), oldtree2/
+    # (557f1c6, round7b's) and this tree, alternated, three rounds
+    timeout 150 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
+      | grep -E "FAILED|ERROR|passed|failed" | cut -c1-300
+    python3 -m compileall -q oldtree/wcd oldtree2/wcd >/dev/null
+    timeout 120 python3 bench/bench_admit.py --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --ckpt 1.6:100000 --reps 7 \
+      --helpers 8 2>&1 | tee "$OUT/admit.txt" | tail -3
+    mkdir -p "$OUT/logs"
+    for round in 1 2 3; do for v in old r7b new; do
+      R=$PWD; [ $v = old ] && R=$PWD/oldtree; [ $v = r7b ] && R=$PWD/oldtree2
+      (cd "$R" && PYTHONPATH=/tmp/site:$R BENCH_DAEMON_LOG_LEVEL=debug timeout 150 \
+        python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --ckpt 1.6:100000 \
+        --reps 3 --loaders wcd --out "$OUT/logs/load-$v-$round.json" --daemon-log "$OUT/logs/daemon-$v-$round.log" 2>&1 \
+        | grep -v '"wcd_verify"' | sed "s/^/$v $round /" | cut -c1-260)
+    done; done
+    grep -hE "admitting b1|filled from .*100000" "$OUT"/logs/daemon-new-*.log | cut -c1-200
+    tar -C "$OUT" -czf "$OUT/round7c-logs.tgz" logs && rm -r "$OUT/logs" ;;
   round7b)  # GPU tests; bench_admit with 8 helpers; 1.6 GB 1k/100k warm loads of oldtree/ and this tree,
     # alternated, three rounds; the 16 GB warm load; restart of this tree with a 1.6 GB 100k entry kept
     timeout 150 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \

@@ -238,22 +238,23 @@ def member_pieces(raw: bytes, every: int) -> list[bytes] | None:
     (`__metadata__`'s) leaves it unbalanced, one after the object's end leaves text after it. So
     when every piece parses, their members, in order, are the members of the whole. The cuts fall
     on ASCII bytes, never inside a UTF-8 sequence."""
-    body = raw.rstrip(b" ")  # safetensors pads the header to 8 bytes with spaces
-    if body[:2] != b'{"' or body[-1:] != b"}":
+    end = raw.rfind(b"}")  # the closing brace: safetensors pads the header to 8 bytes with spaces
+    if raw[:2] != b'{"' or end < 0 or raw.count(b" ", end + 1) != len(raw) - end - 1:
         return None
+    view = memoryview(raw)  # each piece is one copy of its bytes
     pieces = []
-    start, end = 1, len(body) - 1  # the first member; the closing brace
+    start = 1  # the first member
     while True:
-        cut = body.find(b"},", start + every, end)
+        cut = raw.find(b"},", start + every, end)
         if cut < 0:
-            pieces.append(b"{" + body[start:])
+            pieces.append(b"".join((b"{", view[start : end + 1])))
             return pieces
         after = cut + 2
-        while body[after : after + 1] == b" ":  # `}, "` as json.dumps writes it
+        while raw[after : after + 1] == b" ":  # `}, "` as json.dumps writes it
             after += 1
-        if body[after : after + 1] != b'"':
+        if raw[after : after + 1] != b'"':
             return None
-        pieces.append(b"{" + body[start : cut + 1] + b"}")
+        pieces.append(b"".join((b"{", view[start : cut + 1], b"}")))
         start = after  # the next member's key
 
 
@@ -300,18 +301,18 @@ def header_columns(raw: bytes, data_size: int, lenient: bool = True, in_pieces: 
 def merge_columns(parts: Sequence[Columns]) -> Columns | None:
     """One header's columns from those of its `member_pieces`, in order, each read as a header
     (`header_columns`: valid, within the data section), or None where they could differ from the
-    whole's (then it is parsed whole): a name in two pieces (one parse keeps the last value at the
-    first place), or a piece with tensors before the last one of the piece before it (the whole's
-    stable sort by offset would interleave them). Tensors of two pieces that overlap: None too
-    (the whole's parse says so). C-level passes, and a Python step per piece and shape."""
+    whole's (then it is parsed whole): a piece with tensors before the last one of the piece
+    before it (the whole's stable sort by offset would interleave them), or tensors of two pieces
+    that overlap (the whole's parse says so). A name in two pieces is the caller's to find (one
+    parse keeps the last value at the first place: `Shards.parse` finds the names of all shards
+    repeated in one pass, and parses such a header whole). C-level passes, and a Python step per
+    piece and shape."""
     parts = [part for part in parts if part[0]]  # a piece of `__metadata__` alone has no tensors
     if len(parts) < 2:
         return parts[0] if parts else ((), b"", (), array("I"), [], [], [], True)
     if any(b[4][0] < a[4][-1] for a, b in pairwise(parts)):  # each piece is in file order already
         return None
     names = tuple(chain.from_iterable(part[0] for part in parts))
-    if len(set(names)) != len(names):
-        return None
     index: dict[tuple[int, ...], int] = {}
     ids = array("I")
     for part in parts:
@@ -608,13 +609,19 @@ class Shards:
         else:
             columns, helped = helpers.columns([(raw, size - start) for raw, start, size in raws])
             headers = tuple(header_from(file, *raw, cols) for (file, _), raw, cols in zip(files, raws, columns))
-        if len(headers) > 1 and len(set(chain.from_iterable(h.names for h in headers))) != \
-                sum(len(h.names) for h in headers):
-            names: set[str] = set()
-            for name in chain.from_iterable(h.names for h in headers):  # the first duplicate, in load order
-                if name in names:
-                    raise LoadFailed(f"{self.path}: tensor {name!r} appears in more than one shard")
-                names.add(name)
+        if (len(headers) > 1 or helpers is not None) and not _distinct(headers):
+            # A header merged from pieces (`merge_columns`) may hold a name twice, which one parse
+            # reads as one tensor (the last value at the first place): those are parsed whole here.
+            again = [len(set(h.names)) != len(h.names) for h in headers]
+            headers = tuple(header_from(file, *raw) if redo else h
+                            for (file, _), raw, h, redo in zip(files, raws, headers, again))
+            helped -= min(helped, sum(again))
+            if not _distinct(headers):
+                names: set[str] = set()
+                for name in chain.from_iterable(h.names for h in headers):  # the first duplicate, in load order
+                    if name in names:
+                        raise LoadFailed(f"{self.path}: tensor {name!r} appears in more than one shard")
+                    names.add(name)
         ckpt = Checkpoint(self.path, headers, tuple(fd for _, fd in files), unique=True)
         ckpt.helped = helped
         return ckpt
@@ -623,6 +630,11 @@ class Shards:
         files, self.files = self.files, []
         for _, fd in files:
             os.close(fd)
+
+
+def _distinct(headers: Sequence[Header]) -> bool:
+    """No tensor name in two places."""
+    return len(set(chain.from_iterable(h.names for h in headers))) == sum(len(h.names) for h in headers)
 
 
 class Checkpoint:

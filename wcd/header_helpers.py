@@ -5,20 +5,22 @@ cannot share the work: the four headers of a 100,000-tensor checkpoint took 0.19
 admission on the H200 host, twice the copies' time. So a daemon on a host with cores to spare keeps
 a few helper processes (`daemon.header_helpers`; started after READY, from the thread that starts
 the workers, or by the first parse that needs them) and hands them raw header bytes in batches: a
-helper opens no file and holds no descriptor but its socket. A header larger than a batch is cut
-into pieces of whole members (`split`), so that one shard of 25,000 tensors keeps several helpers
-busy, and the pieces' columns are merged (`checkpoint.merge_columns`). It runs the daemon's own parse and
-checks (`header_columns`) and sends the columns back as msgpack, which the daemon unpacks in a few
-ms per 25,000 tensors; meanwhile the calling thread parses the batches that are left. What a helper
+helper opens no file and holds no descriptor but its socket and its buffer (a memfd). A header
+larger than a batch is cut into pieces of whole members (`split`), so that one shard of 25,000
+tensors keeps several helpers busy, and the pieces' columns are merged (`checkpoint.merge_columns`).
+A helper runs the daemon's own parse and checks (`header_columns`) and sends the columns back as
+msgpack, which the daemon unpacks in a few ms per 25,000 tensors; meanwhile the calling thread
+parses what no busy helper is to take. What a helper
 cannot read (a header that is not valid, one only `json.loads` reads, a helper that has gone,
 stalled or answered garbage) is parsed in the daemon, which then says why a bad one is bad: the
 outcome is the daemon's own parse in every case, only faster. A helper runs the code the daemon
 started with or refuses to (`code_stamp`), and is replaced after a header that grew its heap.
 
 Wire, on a socketpair, one batch of headers at a time (`batches`), integers 8-byte little-endian:
-the daemon sends the number of headers, then for each the lengths of the raw header and of the
-data section, and the raw header; once it has them all, the helper answers each with a length and
-that many bytes of msgpack (0: parse it yourself). A helper sends one byte once it has imported
+the daemon writes the raw headers one after another into the helper's buffer (a memfd both hold)
+and sends the number of headers, then for each the lengths of the raw header and of the data
+section; the helper answers each with a length and that many bytes of msgpack (0: parse it
+yourself). A helper sends one byte once it has imported
 what it needs, and ends at EOF (the daemon's end closed: its exit, even by SIGKILL).
 """
 
@@ -56,6 +58,7 @@ MAX_BATCH = 1 << 16  # headers in one batch (a checkpoint has far fewer shards)
 # malloc_trim or not): it is replaced by a fresh one.
 RETIRE_BYTES = 8 << 20
 STALL_S = 5.0  # a send or read that makes no progress for this long fails (and see `answer_within`)
+KEEP_BUFFER_BYTES = 4 << 20  # a helper's buffer keeps the pages of batches up to this size
 # The systemd interface stays the daemon's: a helper must not notify, nor think it was activated.
 _NOT_INHERITED = ("NOTIFY_SOCKET", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES", "WATCHDOG_USEC", "WATCHDOG_PID")
 
@@ -68,15 +71,28 @@ def default_count() -> int:
 
 
 class _Helper:
-    def __init__(self, proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
-        self.proc, self.sock = proc, sock
+    """A helper process, the daemon's end of its socket, and the buffer (a memfd both hold) that
+    its batches' raw headers are written to: a write there never waits for the helper to read, as
+    a socket's small buffer made each 600 KB send wait (10 ms per 100,000 tensors of headers)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], sock: socket.socket, buf: int) -> None:
+        self.proc, self.sock, self.buf = proc, sock, buf
 
     def send(self, jobs: list[tuple[bytes, int]]) -> None:
+        offset = 0
+        for raw, _ in jobs:
+            view = memoryview(raw)
+            while view:
+                n = os.pwrite(self.buf, view, offset)
+                view, offset = view[n:], offset + n
         self.sock.settimeout(STALL_S)  # a stopped helper reads nothing: the send fails, not hangs
-        self.sock.sendall(len(jobs).to_bytes(8, "little"))
-        for raw, data_size in jobs:
-            self.sock.sendall(len(raw).to_bytes(8, "little") + data_size.to_bytes(8, "little"))
-            self.sock.sendall(raw)
+        self.sock.sendall(len(jobs).to_bytes(8, "little") + b"".join(
+            len(raw).to_bytes(8, "little") + data_size.to_bytes(8, "little") for raw, data_size in jobs))
+
+    def sent(self, nbytes: int) -> None:
+        """The batch of `nbytes` is answered: a large one's buffer pages are given back."""
+        if nbytes > KEEP_BUFFER_BYTES:
+            os.ftruncate(self.buf, 0)
 
     def receive(self, jobs: list[tuple[bytes, int]]) -> list[bytes]:
         """The answers' bytes (b"": parse it yourself), bounded, not decoded yet (`answer`)."""
@@ -95,6 +111,8 @@ class _Helper:
 
     def close(self) -> None:
         self.sock.close()  # the helper reads EOF and ends; kill it in case it is stuck or stopped
+        with contextlib.suppress(OSError):
+            os.close(self.buf)
         with contextlib.suppress(OSError):
             self.proc.kill()
         with contextlib.suppress(Exception):
@@ -257,18 +275,20 @@ class HeaderHelpers:
             helper, batch, _ = busy.pop(fd)
             return helper, batch
 
+        def send(helper: _Helper, batch: list[int]) -> None:
+            try:
+                helper.send([jobs[i] for i in batch])
+            except OSError:
+                self._lose(helper)
+                far.appendleft(batch)
+                return
+            deadline = time.monotonic() + answer_within(sum(len(jobs[i][0]) for i in batch))
+            busy[helper.sock.fileno()] = helper, batch, deadline
+            poll.register(helper.sock, select.POLLIN)
+
         def dispatch() -> None:
             while far and (helper := self._take()) is not None:
-                batch = far.popleft()
-                try:
-                    helper.send([jobs[i] for i in batch])
-                except OSError:
-                    self._lose(helper)
-                    far.appendleft(batch)
-                    continue
-                deadline = time.monotonic() + answer_within(sum(len(jobs[i][0]) for i in batch))
-                busy[helper.sock.fileno()] = helper, batch, deadline
-                poll.register(helper.sock, select.POLLIN)
+                send(helper, far.popleft())
 
         def lose(helper: _Helper) -> None:
             """Drop a helper that answered garbage, and take back the batch it has now, if any."""
@@ -296,22 +316,29 @@ class HeaderHelpers:
                     helper, batch = drop(fd)
                     try:
                         answers = helper.receive([jobs[i] for i in batch])
+                        helper.sent(sum(len(jobs[i][0]) for i in batch))
                     except Exception:  # noqa: BLE001 - whatever went wrong there, it is parsed here
                         self._lose(helper)
                         near.append(batch)
                         continue
+                    # Its next batch goes out before this answer is unpacked; it stays this parse's
+                    # (no other may take it) until the answer proves good.
+                    kept = None
                     if max(len(jobs[i][0]) for i in batch) >= RETIRE_BYTES:
                         self._retire(helper)  # its heap grew with that header: a fresh one instead
+                    elif far:
+                        send(helper, far.popleft())
                     else:
-                        self._give(helper)
-                    dispatch()  # its next batch goes out before this one is unpacked
+                        kept = helper
                     try:
                         with gc_paused():
-                            columns = [_checked(_decode(a), jobs[i][1]) if a else None for i, a in zip(batch, answers)]
+                            columns = [_answer(a, jobs[i][1]) if a else None for i, a in zip(batch, answers)]
                     except Exception:  # noqa: BLE001 - garbage: that helper goes, its headers are parsed here
                         lose(helper)
                         near.append(batch)
                         continue
+                    if kept is not None:
+                        self._give(kept)
                     for i, answer in zip(batch, columns):
                         results[i] = answer
                         if answer is not None:  # None: left to the daemon (which says why)
@@ -348,6 +375,8 @@ class HeaderHelpers:
         """Drop a helper; another is started in the background (unless closed)."""
         with self._lock:
             self._all.discard(helper)
+            if helper in self._idle:
+                self._idle.remove(helper)
         helper.close()
         self.start_soon()
 
@@ -364,22 +393,26 @@ def _spawn() -> _Helper:
 
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     env = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}
+    buf = -1
     try:
+        buf = os.memfd_create("wcd-header-helper", os.MFD_CLOEXEC)
         # The daemon's own import path, so a helper runs the daemon's wcd (`-m` would put the
         # working directory first: a `wcd/` there would be imported instead).
         path = [entry for entry in sys.path if isinstance(entry, str) and entry]  # "": a working directory
         code = (f"import sys; sys.path[:] = {path!r}; from wcd.header_helpers import main; "
-                f"main({code_stamp()!r})")
+                f"main({code_stamp()!r}, {buf})")
         flags = [flag for flag, on in (("-I", sys.flags.isolated), ("-S", sys.flags.no_site),
                                        ("-s", sys.flags.no_user_site), ("-E", sys.flags.ignore_environment)) if on]
         proc = subprocess.Popen([sys.executable, *flags, "-c", code], stdin=theirs.fileno(),
-                                stdout=subprocess.DEVNULL, env=env, close_fds=True)
+                                stdout=subprocess.DEVNULL, env=env, close_fds=True, pass_fds=(buf,))
     except BaseException:
         mine.close()
+        if buf >= 0:
+            os.close(buf)
         raise
     finally:
         theirs.close()
-    return _Helper(proc, mine)
+    return _Helper(proc, mine, buf)
 
 
 def _encode(columns: Columns) -> bytes:
@@ -394,39 +427,41 @@ def _encode(columns: Columns) -> bytes:
     return msgpack.packb([names, codes, shapes, ids.tobytes(), offsets.tobytes(), contiguous])
 
 
-def _decode(payload: bytes) -> Columns:
+def _answer(payload: bytes, data_size: int) -> Columns:
+    """The columns a helper sent, if they are of the shape `header_columns` makes: each column as
+    long as the names, of its type, and every tensor within the data section (what they hold was
+    checked by the helper's run of the daemon's code); else ValueError. C-level passes, most of
+    them over the arrays' bytes before they become Python ints."""
     import msgpack
 
     from wcd.gcpause import gc_paused
+    from wcd.manifest import DTYPES
 
     with gc_paused():
         names, codes, shapes, ids, offsets, contiguous = msgpack.unpackb(payload, use_list=False)
+        n = len(names)
+        if not (type(names) is tuple and type(codes) is bytes and type(shapes) is tuple and type(ids) is bytes
+                and type(offsets) is bytes and type(contiguous) is bool and len(codes) == n
+                and len(ids) == 4 * n and len(offsets) == 24 * n and set(map(type, names)) <= {str}
+                and set(map(type, shapes)) <= {tuple} and set(map(type, chain.from_iterable(shapes))) <= {int}):
+            raise ValueError("columns that are not a header's")
         shape_ids, numbers = array("I"), array("q")
         shape_ids.frombytes(ids)
         numbers.frombytes(offsets)
-        n = len(names)
-        if len(numbers) != 3 * n:
-            raise ValueError(f"{len(numbers)} offsets for {n} tensors")
+        # Offsets and sizes are never negative: no int64 with its sign bit set; codes and shape
+        # indexes within their tables (a single shape: every index 0).
+        if (offsets[_SIGN_BYTE::8].translate(None, _BELOW_SIGN) or codes.translate(None, _CODES[: len(DTYPES)])
+                or (ids.count(0) != len(ids) if len(shapes) == 1 else n and max(shape_ids) >= len(shapes))):
+            raise ValueError("columns that are not a header's")
         begins, ends, sizes = numbers[:n].tolist(), numbers[n : 2 * n].tolist(), numbers[2 * n :].tolist()
+        if n and max(ends) > data_size:
+            raise ValueError("columns that are not a header's")
         return names, codes, shapes, shape_ids, begins, ends, sizes, contiguous
 
 
-def _checked(columns: Columns, data_size: int) -> Columns:
-    """The columns as a helper sent them, if they are of the shape `header_columns` makes: each
-    column as long as the names, of its type, and every tensor within the data section (C-level
-    passes; what they hold was checked by the helper's run of the daemon's code)."""
-    from wcd.manifest import DTYPES
-
-    names, codes, shapes, ids, begins, ends, sizes, contiguous = columns
-    n = len(names)
-    ok = (type(names) is tuple and type(codes) is bytes and type(shapes) is tuple and type(contiguous) is bool
-          and len(codes) == len(ids) == n and set(map(type, names)) <= {str}
-          and set(map(type, shapes)) <= {tuple} and set(map(type, chain.from_iterable(shapes))) <= {int}
-          and (not n or (max(codes) < len(DTYPES) and max(ids) < len(shapes) and min(begins) >= 0
-                         and min(sizes) >= 0 and max(ends) <= data_size)))
-    if not ok:
-        raise ValueError("columns that are not a header's")
-    return columns
+_SIGN_BYTE = 7 if sys.byteorder == "little" else 0  # of an int64 in native order
+_BELOW_SIGN = bytes(range(0x80))
+_CODES = bytes(range(256))
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -440,7 +475,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def _serve(sock: socket.socket, header_columns: Callable[..., Columns | None]) -> None:
+def _serve(sock: socket.socket, buf: int, header_columns: Callable[..., Columns | None]) -> None:
     import gc
 
     from wcd.checkpoint import MAX_HEADER_BYTES
@@ -455,12 +490,17 @@ def _serve(sock: socket.socket, header_columns: Callable[..., Columns | None]) -
         if count > MAX_BATCH:
             raise ValueError(f"a batch of {count} headers")
         jobs = []
-        for _ in range(count):
-            head = _recv_exact(sock, 16)
-            n, data_size = int.from_bytes(head[:8], "little"), int.from_bytes(head[8:], "little")
+        offset = 0
+        heads = _recv_exact(sock, 16 * count)
+        for k in range(0, 16 * count, 16):
+            n, data_size = (int.from_bytes(heads[j : j + 8], "little") for j in (k, k + 8))
             if n > MAX_HEADER_BYTES:
                 raise ValueError(f"a header of {n} bytes")
-            jobs.append((_recv_exact(sock, n), data_size))
+            raw = os.pread(buf, n, offset)
+            if len(raw) != n:
+                raise ValueError(f"a header of {n} bytes past the end of the buffer")
+            jobs.append((raw, data_size))
+            offset += n
         replies = []
         for raw, data_size in jobs:
             try:
@@ -495,7 +535,7 @@ def code_stamp() -> str:
 _stamp: str | None = None
 
 
-def main(stamp: str = "") -> None:
+def main(stamp: str = "", buf: int = -1) -> None:
     import signal
 
     # A stop (systemd signals the whole unit; a terminal's ^C the whole group) is the daemon's to
@@ -512,7 +552,7 @@ def main(stamp: str = "") -> None:
         sys.exit("wcd header helper: the daemon runs other wcd code than is installed now (upgraded "
                  "under it?): large headers are parsed in the daemon until it is restarted")
     try:
-        _serve(socket.socket(fileno=0), header_columns)
+        _serve(socket.socket(fileno=0), buf, header_columns)
     except (EOFError, ConnectionError):
         pass
     except Exception as e:  # noqa: BLE001 - one line; the daemon parses what this helper had

@@ -88,6 +88,30 @@ def test_helpers_give_what_the_daemon_parses_valid_or_not(helpers: HeaderHelpers
         assert outcome(partial(opened, Path(tmp), helpers)) == outcome(partial(opened, Path(tmp)))
 
 
+def test_a_name_repeated_in_two_pieces_reads_as_one_parse_reads_it(helpers: HeaderHelpers, tmp_path: Path) -> None:
+    """A header cut into pieces (`header_helpers.split`) whose pieces hold a name twice is parsed
+    whole: one parse keeps the last value at the first place; a name in two shards is still refused."""
+    def entry(k: int) -> str:
+        return json.dumps({"dtype": "U8", "shape": [256], "data_offsets": [256 * k, 256 * k + 256]})
+
+    n = 6000  # ~500 KB of header: cut into pieces for two helpers
+    members = [f'"w.{k}":{entry(k)}' for k in range(n)]
+    members.append(f'"w.7":{entry(n)}')  # again, in the last piece: the whole reads w.7 at its first place, last value
+    raw = ("{" + ",".join(members) + "}").encode()
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "m.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(256 * (n + 1)))
+    assert len(header_helpers.split([(raw, 256 * (n + 1))], helpers.count)[1][0]) > 1
+    want = opened(tmp_path / "one")
+    assert len(want[0][4]) == n  # w.7 once
+    with Checkpoint.open(tmp_path / "one", helpers=helpers) as ckpt:
+        assert ckpt.helped == 0  # parsed whole here
+    assert opened(tmp_path / "one", helpers) == want
+    (tmp_path / "one" / "n.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(256 * (n + 1)))
+    refused = outcome(partial(opened, tmp_path / "one"))
+    assert refused[0] == "LoadFailed" and "appears in more than one shard" in refused[1]
+    assert outcome(partial(opened, tmp_path / "one", helpers)) == refused
+
+
 def test_large_headers_go_to_the_helpers_and_come_back_equal(helpers: HeaderHelpers, tmp_path: Path) -> None:
     ckpt = experts(tmp_path / "m", 5, 12_000)
     raw_len = int.from_bytes((ckpt / "model-00000.safetensors").read_bytes()[:8], "little")
@@ -154,8 +178,8 @@ def test_loads_at_once_share_the_helpers(helpers: HeaderHelpers, tmp_path: Path)
     assert len(helpers._idle) == 2  # every helper given back
 
 
-def test_a_helper_holds_only_its_socket_and_none_of_systemds_environment(monkeypatch: pytest.MonkeyPatch,
-                                                                         tmp_path: Path) -> None:
+def test_a_helper_holds_only_its_socket_its_buffer_and_none_of_systemds_environment(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "notify"))
     monkeypatch.setenv("LISTEN_FDS", "1")
     stray = os.open(tmp_path, os.O_RDONLY)  # inheritable or not, a helper must not get it
@@ -166,8 +190,9 @@ def test_a_helper_holds_only_its_socket_and_none_of_systemds_environment(monkeyp
         (helper,) = pool._all
         where = f"/proc/{helper.proc.pid}/fd"
         fds = {int(n): os.readlink(f"{where}/{n}") for n in os.listdir(where)}
-        assert set(fds) == {0, 1, 2}, fds
+        assert set(fds) == {0, 1, 2, helper.buf}, fds
         assert fds[0].startswith("socket:") and fds[1] == "/dev/null"
+        assert fds[helper.buf].startswith("/memfd:wcd-header-helper"), fds
         env = Path(f"/proc/{helper.proc.pid}/environ").read_bytes().split(b"\0")
         assert not [v for v in env if v.startswith((b"NOTIFY_SOCKET=", b"LISTEN_FDS="))]
     finally:
@@ -326,17 +351,20 @@ def fake_helper(pool: HeaderHelpers, answer: Callable[[bytes, int], bytes]) -> h
     """A helper whose answers `answer(raw, data_size)` makes up, for what a broken one could send."""
     mine, theirs = socket.socketpair()
     proc = subprocess.Popen(["sleep", "60"])
+    buf = os.memfd_create("fake-helper")
 
     def serve() -> None:
         with theirs:
             while count := theirs.recv(8, socket.MSG_WAITALL):
+                offset = 0
                 for _ in range(int.from_bytes(count, "little")):
                     head = theirs.recv(16, socket.MSG_WAITALL)
                     n, data_size = int.from_bytes(head[:8], "little"), int.from_bytes(head[8:], "little")
-                    theirs.sendall(answer(theirs.recv(n, socket.MSG_WAITALL), data_size))
+                    theirs.sendall(answer(os.pread(buf, n, offset), data_size))
+                    offset += n
 
     threading.Thread(target=serve, daemon=True).start()
-    fake = header_helpers._Helper(proc, mine)
+    fake = header_helpers._Helper(proc, mine, buf)
     pool._all.add(fake)
     pool._idle.append(fake)
     return fake
@@ -376,6 +404,7 @@ def test_a_helper_that_answers_garbage_is_dropped_and_its_header_parsed_here(gar
         fake = fake_helper(pool, GARBAGE[garbage])
         with Checkpoint.open(ckpt, helpers=pool) as got:
             assert got.helped == 0
+        assert fake not in pool._all and fake not in pool._idle  # not handed back before its answer was read
         assert opened(ckpt, pool) == want
         assert fake not in pool._all and not pool._idle
     finally:
