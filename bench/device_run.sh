@@ -60,6 +60,24 @@ write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-100000'), int(1.6e9), 100000, 4
     echo "$t $dev $round $(python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print([round(x,3) for x in d['exec_to_ready_s']], d['daemon_says'][-1][:150])" "$OUT/logs/restart-$t-${dev%%:*}-$round.json" 2>&1)"
   done; done; done
 }
+round7_ab() {  # GPU tests, bench_admit with 8 helpers, then 1.6 GB 1k/100k warm loads of each variant
+  # ("name=tree[:daemon config line]", trees byte-compiled here), alternated, three rounds, into $OUT/logs
+  timeout 150 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
+    | grep -E "FAILED|ERROR|passed|failed" | cut -c1-300
+  timeout 120 python3 bench/bench_admit.py --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --ckpt 1.6:100000 --reps 7 \
+    --helpers 8 2>&1 | tee "$OUT/admit.txt" | tail -3
+  mkdir -p "$OUT/logs"
+  for round in 1 2 3; do for spec in $1; do
+    v=${spec%%=*}; where=${spec#*=}; tree=${where%%:*}; cfg=""
+    [ "$where" != "$tree" ] && cfg=$(echo "${where#*:}" | tr '=' ' ' | sed 's/ / = /')
+    R=$PWD/$tree; python3 -m compileall -q "$R/wcd" >/dev/null
+    (cd "$R" && PYTHONPATH=/tmp/site:$R BENCH_DAEMON_CONFIG="$cfg" BENCH_DAEMON_LOG_LEVEL=debug timeout 150 \
+      python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --ckpt 1.6:100000 \
+      --reps 3 --loaders wcd --out "$OUT/logs/load-$v-$round.json" --daemon-log "$OUT/logs/daemon-$v-$round.log" 2>&1 \
+      | grep -v '"wcd_verify"' | sed "s/^/$v $round /" | cut -c1-260)
+  done; done
+  grep -hE "admitting b1|filled from .*100000" "$OUT"/logs/daemon-new-*.log | cut -c1-200
+}
 case "${1:-tests}" in
   tests)
     timeout 300 python3 -m pytest tests/gpu -v -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
@@ -207,37 +225,11 @@ print('primary context: retain', round((time.perf_counter() - t) * 1e3, 1), 'ms;
     tar -C "$OUT" -czf "$OUT/round6b-logs.tgz" logs && rm -r "$OUT/logs" ;;
   round7c)  # GPU tests; bench_admit with 8 helpers; 1.6 GB 1k/100k warm loads of oldtree/ (ddca013), oldtree2/
     # (557f1c6, round7b's) and this tree, alternated, three rounds
-    timeout 150 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
-      | grep -E "FAILED|ERROR|passed|failed" | cut -c1-300
-    python3 -m compileall -q oldtree/wcd oldtree2/wcd >/dev/null
-    timeout 120 python3 bench/bench_admit.py --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --ckpt 1.6:100000 --reps 7 \
-      --helpers 8 2>&1 | tee "$OUT/admit.txt" | tail -3
-    mkdir -p "$OUT/logs"
-    for round in 1 2 3; do for v in old r7b new; do
-      R=$PWD; [ $v = old ] && R=$PWD/oldtree; [ $v = r7b ] && R=$PWD/oldtree2
-      (cd "$R" && PYTHONPATH=/tmp/site:$R BENCH_DAEMON_LOG_LEVEL=debug timeout 150 \
-        python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --ckpt 1.6:100000 \
-        --reps 3 --loaders wcd --out "$OUT/logs/load-$v-$round.json" --daemon-log "$OUT/logs/daemon-$v-$round.log" 2>&1 \
-        | grep -v '"wcd_verify"' | sed "s/^/$v $round /" | cut -c1-260)
-    done; done
-    grep -hE "admitting b1|filled from .*100000" "$OUT"/logs/daemon-new-*.log | cut -c1-200
+    round7_ab "old=oldtree r7b=oldtree2 new=."
     tar -C "$OUT" -czf "$OUT/round7c-logs.tgz" logs && rm -r "$OUT/logs" ;;
   round7b)  # GPU tests; bench_admit with 8 helpers; 1.6 GB 1k/100k warm loads of oldtree/ and this tree,
     # alternated, three rounds; the 16 GB warm load; restart of this tree with a 1.6 GB 100k entry kept
-    timeout 150 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
-      | grep -E "FAILED|ERROR|passed|failed" | cut -c1-300
-    python3 -m compileall -q oldtree/wcd >/dev/null
-    timeout 120 python3 bench/bench_admit.py --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --ckpt 1.6:100000 --reps 7 \
-      --helpers 8 2>&1 | tee "$OUT/admit.txt" | tail -3
-    mkdir -p "$OUT/logs"
-    for round in 1 2 3; do for v in old new; do
-      R=$PWD; [ $v = old ] && R=$PWD/oldtree
-      (cd "$R" && PYTHONPATH=/tmp/site:$R BENCH_DAEMON_LOG_LEVEL=debug timeout 150 \
-        python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --ckpt 1.6:100000 \
-        --reps 3 --loaders wcd --out "$OUT/logs/load-$v-$round.json" --daemon-log "$OUT/logs/daemon-$v-$round.log" 2>&1 \
-        | grep -v '"wcd_verify"' | sed "s/^/$v $round /" | cut -c1-260)
-    done; done
-    grep -hE "admitting b1|filled from .*100000" "$OUT"/logs/daemon-new-*.log | cut -c1-200
+    round7_ab "old=oldtree new=."
     BENCH_DAEMON_LOG_LEVEL=debug timeout 200 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load \
       --ckpt 16:1000 --reps 3 --loaders wcd --out "$OUT/logs/load-16gb.json" --daemon-log "$OUT/logs/daemon-16gb.log" \
       2>&1 | grep -v '"wcd_verify"' | cut -c1-300
@@ -251,20 +243,7 @@ print('primary context: retain', round((time.perf_counter() - t) * 1e3, 1), 'ms;
   round7)  # GPU tests; bench_admit with 8 helpers; 1.6 GB 1k/100k warm loads of oldtree/ (4 helpers, whole shards)
     # and this tree (8 helpers by default, and 4: pieces of shards; the fingerprint beside the parse),
     # alternated, three rounds; restart A/B
-    timeout 150 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
-      | grep -E "FAILED|ERROR|passed|failed" | cut -c1-300
-    python3 -m compileall -q oldtree/wcd >/dev/null
-    timeout 120 python3 bench/bench_admit.py --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --ckpt 1.6:100000 --reps 7 \
-      --helpers 8 2>&1 | tee "$OUT/admit.txt" | tail -3
-    mkdir -p "$OUT/logs"
-    for round in 1 2 3; do for v in old new new4; do
-      R=$PWD; cfg=""; [ $v = old ] && R=$PWD/oldtree; [ $v = new4 ] && cfg="header_helpers = 4"
-      (cd "$R" && PYTHONPATH=/tmp/site:$R BENCH_DAEMON_CONFIG="$cfg" BENCH_DAEMON_LOG_LEVEL=debug timeout 150 \
-        python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --ckpt 1.6:100000 \
-        --reps 3 --loaders wcd --out "$OUT/logs/load-$v-$round.json" --daemon-log "$OUT/logs/daemon-$v-$round.log" 2>&1 \
-        | grep -v '"wcd_verify"' | sed "s/^/$v $round /" | cut -c1-260)
-    done; done
-    grep -hE "admitting b1|filled from .*100000" "$OUT"/logs/daemon-*.log | cut -c1-200
+    round7_ab "old=oldtree new=. new4=.:header_helpers=4"
     restart_ab | tee "$OUT/restart-ab.txt"
     tar -C "$OUT" -czf "$OUT/round7-logs.tgz" logs && rm -r "$OUT/logs" ;;
   round6)  # GPU tests; the helpers A/B three times; restart of this tree (GPU and host)
