@@ -27,6 +27,7 @@ what it needs, and ends at EOF (the daemon's end closed: its exit, even by SIGKI
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import math
 import os
@@ -77,14 +78,18 @@ class _Helper:
 
     def __init__(self, proc: subprocess.Popen[bytes], sock: socket.socket, buf: int) -> None:
         self.proc, self.sock, self.buf = proc, sock, buf
+        self._lock = threading.Lock()  # the buffer's number is written to and closed under it, once
 
     def send(self, jobs: list[tuple[bytes, int]]) -> None:
-        offset = 0
-        for raw, _ in jobs:
-            view = memoryview(raw)
-            while view:
-                n = os.pwrite(self.buf, view, offset)
-                view, offset = view[n:], offset + n
+        with self._lock:
+            if self.buf < 0:
+                raise OSError(errno.EBADF, "the helper was closed")
+            offset = 0
+            for raw, _ in jobs:
+                view = memoryview(raw)
+                while view:
+                    n = os.pwrite(self.buf, view, offset)
+                    view, offset = view[n:], offset + n
         self.sock.settimeout(STALL_S)  # a stopped helper reads nothing: the send fails, not hangs
         self.sock.sendall(len(jobs).to_bytes(8, "little") + b"".join(
             len(raw).to_bytes(8, "little") + data_size.to_bytes(8, "little") for raw, data_size in jobs))
@@ -92,7 +97,9 @@ class _Helper:
     def sent(self, nbytes: int) -> None:
         """The batch of `nbytes` is answered: a large one's buffer pages are given back."""
         if nbytes > KEEP_BUFFER_BYTES:
-            os.ftruncate(self.buf, 0)
+            with self._lock:
+                if self.buf >= 0:
+                    os.ftruncate(self.buf, 0)
 
     def receive(self, jobs: list[tuple[bytes, int]]) -> list[bytes]:
         """The answers' bytes (b"": parse it yourself), bounded, not decoded yet (`answer`)."""
@@ -110,9 +117,12 @@ class _Helper:
             raise OSError(f"it exited before it was ready (status {self.proc.poll()})")
 
     def close(self) -> None:
+        """Idempotent: a second close must not close a number another descriptor has taken since."""
+        with self._lock:
+            buf, self.buf = self.buf, -1
         self.sock.close()  # the helper reads EOF and ends; kill it in case it is stuck or stopped
-        with contextlib.suppress(OSError):
-            os.close(self.buf)
+        if buf >= 0:
+            os.close(buf)
         with contextlib.suppress(OSError):
             self.proc.kill()
         with contextlib.suppress(Exception):
@@ -228,9 +238,11 @@ class HeaderHelpers:
         threading.Thread(target=self.start, name="wcd-helpers", daemon=True).start()
 
     def close(self) -> None:
+        """Close the idle helpers; one a parse holds is closed by that parse when it is done with
+        it (`_give`, `_lose`), not under it."""
         with self._lock:
             self._closed = True
-            helpers, self._all, self._idle = list(self._all), set(), []
+            helpers, self._all, self._idle = self._idle, set(), []
         for helper in helpers:
             helper.close()
 
@@ -297,6 +309,7 @@ class HeaderHelpers:
                 near.append(drop(fd)[1])
             self._lose(helper)
 
+        kept: _Helper | None = None  # a helper whose answer is being unpacked, with no batch
         try:
             while True:
                 dispatch()
@@ -323,7 +336,6 @@ class HeaderHelpers:
                         continue
                     # Its next batch goes out before this answer is unpacked; it stays this parse's
                     # (no other may take it) until the answer proves good.
-                    kept = None
                     if max(len(jobs[i][0]) for i in batch) >= RETIRE_BYTES:
                         self._retire(helper)  # its heap grew with that header: a fresh one instead
                     elif far:
@@ -334,11 +346,13 @@ class HeaderHelpers:
                         with gc_paused():
                             columns = [_answer(a, jobs[i][1]) if a else None for i, a in zip(batch, answers)]
                     except Exception:  # noqa: BLE001 - garbage: that helper goes, its headers are parsed here
+                        kept = None
                         lose(helper)
                         near.append(batch)
                         continue
                     if kept is not None:
                         self._give(kept)
+                        kept = None
                     for i, answer in zip(batch, columns):
                         results[i] = answer
                         if answer is not None:  # None: left to the daemon (which says why)
@@ -359,6 +373,8 @@ class HeaderHelpers:
         finally:
             for helper, _, _ in busy.values():  # interrupted: their answers are not read
                 self._lose(helper)
+            if kept is not None:
+                self._retire(kept)
 
     def _take(self) -> _Helper | None:
         with self._lock:
@@ -442,7 +458,7 @@ def _answer(payload: bytes, data_size: int) -> Columns:
         n = len(names)
         if not (type(names) is tuple and type(codes) is bytes and type(shapes) is tuple and type(ids) is bytes
                 and type(offsets) is bytes and type(contiguous) is bool and len(codes) == n
-                and len(ids) == 4 * n and len(offsets) == 24 * n and set(map(type, names)) <= {str}
+                and len(ids) == _ID_BYTES * n and len(offsets) == 24 * n and set(map(type, names)) <= {str}
                 and set(map(type, shapes)) <= {tuple} and set(map(type, chain.from_iterable(shapes))) <= {int}):
             raise ValueError("columns that are not a header's")
         shape_ids, numbers = array("I"), array("q")
@@ -460,6 +476,7 @@ def _answer(payload: bytes, data_size: int) -> Columns:
 
 
 _SIGN_BYTE = 7 if sys.byteorder == "little" else 0  # of an int64 in native order
+_ID_BYTES = array("I").itemsize
 _BELOW_SIGN = bytes(range(0x80))
 _CODES = bytes(range(256))
 

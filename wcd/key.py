@@ -78,7 +78,7 @@ def fingerprint(ckpt: Checkpoint) -> str:
     if known is not None and all(_hash_samples(before.copy(), fd, h.data_start, h.file_size).digest() == after
                                  for (before, after), h, fd in zip(known[1], ckpt.headers, ckpt.fds)):
         return known[0]
-    ckpt.fingerprinted = _fingerprint((h.file.name, h.file_size, h.raw, h.data_start, fd)
+    ckpt.fingerprinted = _fingerprint((h.file, h.file_size, h.raw, h.data_start, fd)
                                       for h, fd in zip(ckpt.headers, ckpt.fds))
     return ckpt.fingerprinted[0]
 
@@ -87,19 +87,23 @@ def first_fingerprint(shards: Shards) -> tuple[str, tuple[tuple[Any, bytes], ...
     """`fingerprint`'s value and memo for the checkpoint these shards parse into, from their raw
     headers: the daemon computes it beside the parse (hashing and reading drop the GIL), and sets
     it as the checkpoint's `fingerprinted`."""
-    return _fingerprint((file.name, size, raw, start, fd)
+    return _fingerprint((file, size, raw, start, fd)
                         for (file, fd), (raw, start, size) in zip(shards.files, shards.raws))
 
 
-def _fingerprint(shards: Iterable[tuple[str, int, bytes, int, int]]) -> tuple[str, tuple[tuple[Any, bytes], ...]]:
-    """The fingerprint of (name, file size, raw header, data start, fd) per shard, and per shard the
-    hash's state before its samples and its digest after them."""
+def _fingerprint(shards: Iterable[tuple[Path, int, bytes, int, int]]) -> tuple[str, tuple[tuple[Any, bytes], ...]]:
+    """The fingerprint of (file, file size, raw header, data start, fd) per shard, and per shard the
+    hash's state before its samples and its digest after them; a failed read is a LoadFailed
+    naming its shard."""
     h = hashlib.blake2b(digest_size=16)
     marks = []
-    for name, size, raw, data_start, fd in shards:
-        _hash_head(h, name, size, raw)
+    for file, size, raw, data_start, fd in shards:
+        _hash_head(h, file.name, size, raw)
         before = h.copy()
-        marks.append((before, _hash_samples(h, fd, data_start, size).digest()))
+        try:
+            marks.append((before, _hash_samples(h, fd, data_start, size).digest()))
+        except OSError as e:
+            raise LoadFailed(f"{file}: cannot read: {e.strerror or e}") from None
     return h.hexdigest(), tuple(marks)
 
 

@@ -198,7 +198,7 @@ class Residency:
             # The fingerprint hashes and reads with the GIL released (10 MB of headers at 100,000
             # tensors): beside the parse, which holds it, or waits for the helpers. A header's
             # error goes before a read error of the samples, as when they ran one after the other.
-            ckpt, fingerprinted = await _both(lambda: shards.parse(self._parse_with), lambda: _fingerprint(shards))
+            ckpt, fingerprinted = await _both(lambda: shards.parse(self._parse_with), lambda: first_fingerprint(shards))
         except BaseException:
             shards.close()  # once both have ended: they read through these descriptors
             raise
@@ -787,14 +787,6 @@ def _quiet(future: asyncio.Future[Any]) -> None:
         future.exception()
 
 
-def _fingerprint(shards: Shards) -> tuple[str, tuple[tuple[Any, bytes], ...]]:
-    """`first_fingerprint`, a failed read said as a load's error."""
-    try:
-        return first_fingerprint(shards)
-    except OSError as e:
-        raise LoadFailed(f"{shards.path}: cannot read: {e.strerror or e}") from None
-
-
 class _Closable(Protocol):
     def close(self) -> None: ...
 
@@ -804,7 +796,7 @@ C = TypeVar("C", bound=_Closable)
 
 async def _opened(call: Callable[[], C]) -> C:
     """`call()` in a thread: what it opens; cancelled meanwhile, that is closed once it is open."""
-    future = asyncio.ensure_future(asyncio.to_thread(call))
+    future = asyncio.get_running_loop().run_in_executor(None, call)  # a future, not a task: never cancelled
     try:
         return await asyncio.shield(future)
     except asyncio.CancelledError:
@@ -822,7 +814,10 @@ async def _both(first: Callable[[], T], second: Callable[[], U]) -> tuple[T, U]:
     the second's, only once both have ended (they read through descriptors their caller closes on
     an error). Cancelled, even again and again, it still waits for both before the CancelledError
     goes on."""
-    calls = asyncio.ensure_future(asyncio.to_thread(first)), asyncio.ensure_future(asyncio.to_thread(second))
+    # Futures, not tasks: the loop's end cancels every task left, and these must stay until their
+    # threads end.
+    loop = asyncio.get_running_loop()
+    calls = loop.run_in_executor(None, first), loop.run_in_executor(None, second)
     try:
         await asyncio.shield(asyncio.wait(calls))
     except asyncio.CancelledError:

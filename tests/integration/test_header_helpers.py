@@ -411,6 +411,47 @@ def test_a_helper_that_answers_garbage_is_dropped_and_its_header_parsed_here(gar
         pool.close()
 
 
+def test_a_helper_closed_twice_closes_its_buffer_once(tmp_path: Path) -> None:
+    """Its buffer's number may be another descriptor's by the second close (a lost helper retired
+    again, the pool closed under a parse): that one must stay open."""
+    pool = HeaderHelpers(1)
+    try:
+        pool.start()
+        (helper,) = pool._all
+        helper.close()
+        reused = [os.open(tmp_path, os.O_RDONLY) for _ in range(3)]  # the lowest free numbers: its own
+        helper.close()
+        for fd in reused:
+            os.fstat(fd)  # still open
+            os.close(fd)
+        with pytest.raises(OSError):
+            helper.send([(b"{}", 0)])  # nothing is written through a closed helper
+    finally:
+        pool.close()
+
+
+def test_closing_the_pool_leaves_a_helper_a_parse_holds_to_that_parse(tmp_path: Path) -> None:
+    ckpt = experts(tmp_path / "m", 1, 12_000)
+    want = opened(ckpt)
+    pool = HeaderHelpers(0)
+    answering = threading.Event()
+
+    def slow_garbage(raw: bytes, data_size: int) -> bytes:
+        answering.set()
+        time.sleep(0.3)
+        return (0).to_bytes(8, "little")  # "parse it yourself"
+
+    fake = fake_helper(pool, slow_garbage)
+    got: list[Any] = []
+    parse = threading.Thread(target=lambda: got.append(opened(ckpt, pool)))
+    parse.start()
+    assert answering.wait(5)
+    pool.close()
+    assert fake.buf >= 0  # held by the parse: not closed under it
+    parse.join(10)
+    assert got == [want] and fake.buf < 0  # closed by the parse once its answer was read
+
+
 def test_the_first_bad_shard_is_named_whether_its_header_or_its_length_is_bad(helpers: HeaderHelpers,
                                                                               tmp_path: Path) -> None:
     d = tmp_path / "m"

@@ -174,3 +174,31 @@ def test_what_a_cancelled_open_opened_is_closed() -> None:
         assert isinstance(await _opened(Opened), Opened)
 
     asyncio.run(main())
+
+
+def test_both_outlasts_the_loops_end() -> None:
+    """At the loop's end every task left is cancelled: `_both`'s calls are not tasks, so the one
+    awaiting them still waits for both threads before it goes on (its caller closes their fds)."""
+    import time
+
+    from wcd.residency import _both
+
+    ended: list[str] = []
+
+    def slow(name: str) -> str:
+        time.sleep(0.3)
+        ended.append(name)
+        return name
+
+    async def waiter() -> None:
+        try:
+            await _both(lambda: slow("a"), lambda: slow("b"))
+        finally:
+            ended.append("caller")
+
+    async def main() -> None:
+        asyncio.ensure_future(waiter())
+        await asyncio.sleep(0.05)  # returns with the waiter still waiting: the loop's end cancels it
+
+    asyncio.run(main())
+    assert ended[-1] == "caller" and sorted(ended[:2]) == ["a", "b"], ended
