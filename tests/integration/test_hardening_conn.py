@@ -179,6 +179,31 @@ def test_pipelined_near_miss_evicts_do_not_stall_the_loop(make_daemon):
     assert_fast(pings)
 
 
+def cpu_seconds(d: Daemon) -> float:
+    assert d.proc is not None
+    fields = Path(f"/proc/{d.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_a_frame_left_unfinished_after_a_full_batch_does_not_spin_the_loop(make_daemon):
+    """100 pings (more than one batch) and the first bytes of another, then nothing: the batch
+    limit stops the first pass, the second ends on the unfinished frame. The daemon had served it
+    again and again, never reading the rest (100% CPU for as long as the peer kept it open)."""
+    d = make_daemon()
+    a = Raw(d.socket)
+    frames = [a.frame({"op": "ping"}) for _ in range(101)]
+    with pinging(d) as pings:
+        a.send(b"".join(frames[:100]) + frames[100][:3])
+        assert all(a.recv()["ok"] for _ in range(100))
+        before = cpu_seconds(d)
+        time.sleep(1.0)
+        spent = cpu_seconds(d) - before
+        a.send(frames[100][3:])
+        assert a.recv()["ok"]  # the rest of the frame was read
+    assert spent < 0.3, f"the daemon spent {spent:.2f} s of CPU in 1 s with one unfinished frame"
+    assert_fast(pings)
+
+
 # -- item 4: many leases, many disconnects ------------------------------------------------------------
 
 
