@@ -25,6 +25,7 @@
 #   bash bench/device_run.sh round6b  GPU tests; 64 shards at 100k: bench_admit, warm loads with and without helpers;
 #                                     restart A/B against oldtree/
 #   bash bench/device_run.sh round6   GPU tests; the helpers A/B three times; restart with a 100k entry kept
+#   bash bench/device_run.sh verify   GPU tests; verify/digest passes at 1k and 100k tensors, 16/8/4/2 threads
 #   bash bench/device_run.sh round7c  GPU tests; raw headers through a memfd, cheaper checks: loads A/B/C against
 #                                     oldtree/ (ddca013) and oldtree2/ (557f1c6), three rounds
 #   bash bench/device_run.sh round7b  GPU tests; helpers' next batch before the answer's unpacking: loads A/B against
@@ -223,6 +224,11 @@ print('primary context: retain', round((time.perf_counter() - t) * 1e3, 1), 'ms;
     grep -hE "admitting b1" "$OUT"/logs/daemon64-*.log | cut -c1-160
     restart_ab | tee "$OUT/restart-ab.txt"
     tar -C "$OUT" -czf "$OUT/round6b-logs.tgz" logs && rm -r "$OUT/logs" ;;
+  verify)  # GPU tests; verify and digest passes at 1,000 and 100,000 tensors with 16, 8, 4 and 2 threads
+    timeout 150 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
+      | grep -E "FAILED|ERROR|passed|failed" | cut -c1-300
+    timeout 200 python3 bench/verify_threads.py --device cuda:0 --threads 16,8,4,2 --reps 2 2>&1 \
+      | tee "$OUT/verify-threads.txt" | tail -9 ;;
   round7c)  # GPU tests; bench_admit with 8 helpers; 1.6 GB 1k/100k warm loads of oldtree/ (ddca013), oldtree2/
     # (557f1c6, round7b's) and this tree, alternated, three rounds
     round7_ab "old=oldtree r7b=oldtree2 new=."

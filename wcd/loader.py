@@ -338,8 +338,9 @@ def _digest_ranges(arena: Arena, ranges: list[_Range]) -> tuple[dict[str, str], 
             raise
         reader.close()
 
-    with ThreadPoolExecutor(digest_workers(), thread_name_prefix="wcd-digest") as pool:
-        futures = [pool.submit(work) for _ in range(min(digest_workers(), len(tasks)))]
+    threads = digest_threads(len(ranges), sum(nbytes for _, _, nbytes, _ in ranges), len(tasks))
+    with ThreadPoolExecutor(threads, thread_name_prefix="wcd-digest") as pool:
+        futures = [pool.submit(work) for _ in range(threads)]
     for future in futures:
         future.result()
     pieces = (r for rs in results for r in rs)
@@ -361,6 +362,22 @@ def _digest_ranges(arena: Arena, ranges: list[_Range]) -> tuple[dict[str, str], 
 
 def digest_workers() -> int:
     return max(2, min(32, os.cpu_count() or 2))
+
+
+# Each tensor costs its thread a few Python steps holding the GIL (a memcmp and a sha256 update
+# that drop and take it again): with tensors of tens of KB, more threads than a few only wait for
+# each other (`bench/verify_threads.py`).
+SMALL_TENSOR_BYTES = 1 << 20
+SMALL_TENSOR_THREADS = 4
+
+
+def digest_threads(tensors: int, nbytes: int, tasks: int) -> int:
+    """Threads for a digest or verify pass: `digest_workers()`, but at most SMALL_TENSOR_THREADS
+    where the tensors average under SMALL_TENSOR_BYTES, and never more than there are tasks."""
+    threads = digest_workers()
+    if tensors and nbytes < SMALL_TENSOR_BYTES * tensors:
+        threads = min(threads, SMALL_TENSOR_THREADS)
+    return max(1, min(threads, tasks))
 
 
 def digest_arena(arena: Arena, manifest: Manifest) -> dict[str, str]:
