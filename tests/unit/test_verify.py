@@ -207,3 +207,15 @@ def test_reads_in_windows_digest_and_compare_as_one_read(loaded: tuple[HostArena
     # Each thread names the span of its next task (`then`): one that some thread then reads.
     starts = {(offset, nbytes) for offset, nbytes, _ in spans}
     assert all(then in starts for _, _, then in spans if then is not None)
+
+
+def test_small_tensors_are_digested_by_a_few_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensors averaging under SMALL_TENSOR_BYTES: at most SMALL_TENSOR_THREADS threads (more only
+    wait for each other's GIL on the H200: 100k tensors verified in 2.56 s with 16, 1.91 s with 4);
+    larger ones: every digest worker; never more threads than tasks."""
+    monkeypatch.setattr(loader, "digest_workers", lambda: 16)
+    small, big = loader.SMALL_TENSOR_BYTES // 2, loader.SMALL_TENSOR_BYTES * 2
+    assert loader.digest_threads(100_000, 100_000 * small, 500) == loader.SMALL_TENSOR_THREADS
+    assert loader.digest_threads(1000, 1000 * big, 500) == 16
+    assert loader.digest_threads(1000, 1000 * big, 3) == 3
+    assert loader.digest_threads(0, 0, 0) == 1
