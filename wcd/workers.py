@@ -104,8 +104,11 @@ class Pool(ThreadPoolExecutor):
         # The thread holds the pool weakly, as ThreadPoolExecutor's do: a pool nobody shut down
         # ends its threads when it is collected, and at the interpreter's exit (`_wake_at_exit`).
         work = self._work
+        # Never a daemon thread, whoever starts it (`start_all` runs in one, and a thread inherits
+        # that): the shutdown waits a bounded time for the pools' threads (`server._drained`) and
+        # must see a hung one, or it exits under a fill still writing.
         thread = threading.Thread(target=_run, args=(weakref.ref(self, lambda _: work.put(None)), work),
-                                  name=f"{self._name}_{len(self._started)}")
+                                  name=f"{self._name}_{len(self._started)}", daemon=False)
         self._started.append(thread)
         return thread
 

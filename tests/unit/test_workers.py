@@ -154,3 +154,18 @@ def test_a_shutdown_while_start_all_starts_threads_neither_fails_nor_leaves_one(
     for t in named("t-race"):
         t.join(5)
     assert named("t-race") == [] and len(pool._started) < 6  # it stopped starting them
+
+
+def test_threads_started_from_a_daemon_thread_are_not_daemons() -> None:
+    """`start_all` runs in a daemon thread (started after READY); the threads it starts must still
+    be ones the shutdown's bounded wait sees (`server._drained` waits for non-daemon threads): a
+    fill held in a hung driver call on such a thread let the daemon exit under it at once."""
+    pool = Pool(2, "t-daemon")
+    try:
+        starter = threading.Thread(target=pool.start_all, daemon=True)
+        starter.start()
+        starter.join(5)
+        threads = named("t-daemon")
+        assert len(threads) == 2 and not any(t.daemon for t in threads)
+    finally:
+        pool.shutdown()
