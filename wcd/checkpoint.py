@@ -37,6 +37,7 @@ from wcd.manifest import (
     Manifest,
     _le_bytes,
     check_overlaps,
+    names_valid,
     tensor_nbytes,
 )
 
@@ -67,6 +68,9 @@ class Header:
     file offset is `data_start` plus them), `sizes` their differences; `shapes` holds the shard's
     distinct shapes and `shape_ids` each tensor's index into it; `dtype_codes` index `DTYPES`.
     `contiguous`: each tensor begins where the one before ends (no gaps, in header order).
+    `names_checked`: every name is one a layout accepts (`manifest.names_valid`), as the columns of
+    `header_columns` are: the layout need not check them again (done beside the other headers'
+    parse, often in a helper process, instead of after them all).
     """
 
     file: Path
@@ -81,6 +85,7 @@ class Header:
     ends: list[int]
     sizes: list[int]
     contiguous: bool = False
+    names_checked: bool = False
 
     @cached_property
     def tensors(self) -> tuple[StoredTensor, ...]:
@@ -188,13 +193,14 @@ def read_raw_header(fd: int, file: Path) -> tuple[bytes, int, int]:
 
 def header_from(file: Path, raw: bytes, data_start: int, file_size: int, columns: Columns | None = None) -> Header:
     """The `Header` of raw header bytes, from their `columns` if given (`header_columns`, parsed
-    elsewhere), else parsed here; a header that is not valid raises its LoadFailed here."""
+    elsewhere, or `merge_columns` of such), else parsed here; a header that is not valid raises
+    its LoadFailed here."""
     if columns is None:
         # A million small objects that form no cycles: collections would cost as much as the parse.
         # They are all freed when `_parse` returns, before the collector is back and would walk them.
         with gc_paused():
             return _parse(file, raw, data_start, file_size)
-    return Header(file, raw, data_start, file_size, *columns)
+    return Header(file, raw, data_start, file_size, *columns, names_checked=True)
 
 
 # Headers past two pieces are parsed a piece at a time (`_decode_in_pieces`): from_json holds the GIL
@@ -280,7 +286,8 @@ def _decode_in_pieces(raw: bytes) -> dict[str, Any] | None:
 def header_columns(raw: bytes, data_size: int, lenient: bool = True, in_pieces: bool = True) -> Columns | None:
     """The columns of a valid header with `data_size` bytes of data, or None for any header that
     `_parse` refuses (which then says why): what a helper process computes (`wcd.header_helpers`).
-    Not `lenient`: None also for a header that only `json.loads` reads (see `_decode`)."""
+    Not `lenient`: None also for a header that only `json.loads` reads (see `_decode`). None too
+    where a name is one the layout refuses (`names_valid`): `_parse` and the layout say which."""
     try:
         doc = _decode(Path(), raw, lenient, in_pieces)
     except LoadFailed:
@@ -295,6 +302,8 @@ def header_columns(raw: bytes, data_size: int, lenient: bool = True, in_pieces: 
             check_overlaps(names, begins, sizes, ends)
         except WcdError:
             return None
+    if columns is not None and not names_valid(columns[0]):
+        return None
     return columns
 
 
@@ -601,15 +610,29 @@ class Shards:
 
     def parse(self, helpers: HeaderHelpers | None = None) -> Checkpoint:
         """The checkpoint of these shards, their headers parsed (by `helpers` too, if given), and
-        owning their descriptors; a shard that is not valid raises its LoadFailed (nothing closed)."""
+        owning their descriptors; a shard that is not valid raises its LoadFailed (nothing closed).
+        With helpers, each header that comes back is made a `Header` and its names are added to
+        the check that no name is in two places while the helpers still parse the others."""
         files, raws = self.files, self.raws
         helped = 0
-        if helpers is None:
-            headers = tuple(header_from(file, *raw) for (file, _), raw in zip(files, raws))
-        else:
-            columns, helped = helpers.columns([(raw, size - start) for raw, start, size in raws])
-            headers = tuple(header_from(file, *raw, cols) for (file, _), raw, cols in zip(files, raws, columns))
-        if (len(headers) > 1 or helpers is not None) and not _distinct(headers):
+        parsed: list[Header | None] = [None] * len(files)
+        names: set[str] = set()
+        counted = 0
+
+        def landed(k: int, columns: Columns | None = None) -> None:
+            nonlocal counted
+            h = parsed[k] = header_from(files[k][0], *raws[k], columns)
+            if len(files) > 1 or helpers is not None:
+                names.update(h.names)
+                counted += len(h.names)
+
+        if helpers is not None:
+            helped = helpers.columns([(raw, size - start) for raw, start, size in raws], landed)[1]
+        for k, h in enumerate(parsed):
+            if h is None:  # not parsed by the helpers (or none): here, in order
+                landed(k)
+        headers = tuple(h for h in parsed if h is not None)
+        if len(names) != counted:
             # A header merged from pieces (`merge_columns`) may hold a name twice, which one parse
             # reads as one tensor (the last value at the first place): those are parsed whole here.
             again = [len(set(h.names)) != len(h.names) for h in headers]
@@ -617,11 +640,11 @@ class Shards:
                             for (file, _), raw, h, redo in zip(files, raws, headers, again))
             helped -= min(helped, sum(again))
             if not _distinct(headers):
-                names: set[str] = set()
+                seen: set[str] = set()
                 for name in chain.from_iterable(h.names for h in headers):  # the first duplicate, in load order
-                    if name in names:
+                    if name in seen:
                         raise LoadFailed(f"{self.path}: tensor {name!r} appears in more than one shard")
-                    names.add(name)
+                    seen.add(name)
         ckpt = Checkpoint(self.path, headers, tuple(fd for _, fd in files), unique=True)
         ckpt.helped = helped
         return ckpt
@@ -696,9 +719,11 @@ class Checkpoint:
         for h in headers:
             local = [index.setdefault(s, len(index)) for s in h.shapes]
             ids.extend(h.shape_ids if local == list(range(len(local))) else map(local.__getitem__, h.shape_ids))
+        checked = all(names_valid(h.names) for h in headers if not h.names_checked)
         return Manifest.from_columns(tuple(chain.from_iterable(h.names for h in headers)),
                                      b"".join(h.dtype_codes for h in headers), tuple(index), ids,
-                                     list(chain.from_iterable(h.sizes for h in headers)), unique=self._unique)
+                                     list(chain.from_iterable(h.sizes for h in headers)), unique=self._unique,
+                                     checked=checked)
 
     def copy_plan(self, manifest: Manifest, chunk: int = 64 << 20,
                   batch: int | Sequence[int] = BATCH_BYTES) -> list[CopyOp]:

@@ -246,31 +246,45 @@ class HeaderHelpers:
         for helper in helpers:
             helper.close()
 
-    def columns(self, jobs: Sequence[tuple[bytes, int]]) -> tuple[list[Columns | None], int]:
+    def columns(self, jobs: Sequence[tuple[bytes, int]],
+                landed: Callable[[int, Columns], None] | None = None) -> tuple[list[Columns | None], int]:
         """Each job's (raw header, data section size) columns, or None where the header is not
         valid (`header_columns`) or its pieces do not tell (`merge_columns`: it is parsed whole),
-        and how many the helpers read. Large headers are cut into pieces (`split`)."""
+        and how many the helpers read. Large headers are cut into pieces (`split`). `landed(k,
+        columns)` is called, in this thread, for each job's columns as soon as they are known, while
+        the helpers parse the rest: what the caller does with each header is done by then too."""
         from wcd.checkpoint import merge_columns
-        from wcd.gcpause import gc_paused
 
         work, owners = split(jobs, self.count)
         pieces = {i for r in owners if len(r) > 1 for i in r}
-        results, by_helpers = self._parse(work, pieces)
-        columns: list[Columns | None] = []
-        helped = 0
-        with gc_paused():
-            for r in owners:
-                parts = [part for part in results[r.start : r.stop] if part is not None]
-                merged = results[r.start] if len(r) == 1 else merge_columns(parts) if len(parts) == len(r) else None
-                columns.append(merged)
-                helped += merged is not None and not by_helpers.isdisjoint(r)
+        owner = [k for k, r in enumerate(owners) for _ in r]
+        waiting = [len(r) for r in owners]
+        columns: list[Columns | None] = [None] * len(owners)
+
+        def done(i: int, results: list[Columns | None]) -> None:
+            """Job `i`'s columns are in `results` (or None): its header's, once all its pieces are."""
+            k = owner[i]
+            waiting[k] -= 1
+            if waiting[k]:
+                return
+            r = owners[k]
+            parts = [part for part in results[r.start : r.stop] if part is not None]
+            merged = results[r.start] if len(r) == 1 else merge_columns(parts) if len(parts) == len(r) else None
+            columns[k] = merged
+            if merged is not None and landed is not None:
+                landed(k, merged)
+
+        by_helpers = self._parse(work, pieces, done)
+        helped = sum(c is not None and not by_helpers.isdisjoint(r) for c, r in zip(columns, owners))
         return columns, helped
 
-    def _parse(self, jobs: list[tuple[bytes, int]], pieces: set[int]) -> tuple[list[Columns | None], set[int]]:
+    def _parse(self, jobs: list[tuple[bytes, int]], pieces: set[int],
+               done: Callable[[int, list[Columns | None]], None]) -> set[int]:
         """Each job's columns (`header_columns`; only as pydantic_core reads them for the `pieces`),
-        and the jobs the helpers read. Jobs go to idle helpers in batches (`batches`), a helper's
-        next batch as soon as its answer is read; the calling thread unpacks the answers and parses
-        what no helper is to take, from the back while the helpers take from the front."""
+        told to `done(i, results)` as soon as `results[i]` holds them (or None), with cyclic GC
+        paused; returns the jobs the helpers read. Jobs go to idle helpers in batches (`batches`),
+        a helper's next batch as soon as its answer is read; the calling thread unpacks the answers
+        and parses what no helper is to take, from the back while the helpers take from the front."""
         from wcd.checkpoint import header_columns
         from wcd.gcpause import gc_paused
 
@@ -314,7 +328,7 @@ class HeaderHelpers:
             while True:
                 dispatch()
                 if not (near or far or busy):
-                    return results, helped
+                    return helped
                 # Parse here only what no helper is to take: what is too small to send, the batches
                 # of helpers that went, and batches past what the busy helpers come back for (none
                 # started yet, or more batches than helpers). Collect what helpers have finished
@@ -353,10 +367,12 @@ class HeaderHelpers:
                     if kept is not None:
                         self._give(kept)
                         kept = None
-                    for i, answer in zip(batch, columns):
-                        results[i] = answer
-                        if answer is not None:  # None: left to the daemon (which says why)
-                            helped.add(i)
+                    with gc_paused():
+                        for i, answer in zip(batch, columns):
+                            results[i] = answer
+                            if answer is not None:  # None: left to the daemon (which says why)
+                                helped.add(i)
+                            done(i, results)
                 if ready:
                     continue
                 if not mine:
@@ -370,6 +386,7 @@ class HeaderHelpers:
                 with gc_paused():
                     for i in batch:
                         results[i] = header_columns(*jobs[i], lenient=i not in pieces)
+                        done(i, results)
         finally:
             for helper, _, _ in busy.values():  # interrupted: their answers are not read
                 self._lose(helper)

@@ -246,10 +246,14 @@ async def load(ctx: Context, conn: Connection, req: protocol.Load) -> None:
         follow = False
     entry = ctx.state.cache.entries.get(req.name)
     if entry is None:
+        started = time.monotonic()
         entry = await ctx.residency.admit_load(req.name, path, device, retention, "load", follow)
+        admitted = time.monotonic()
         task = ctx.residency.start_fill(entry)
         if req.wait:
             await asyncio.shield(task)
+            log.debug("load %s answered %.3f s after it was asked (admission %.3f s, then the fill)", req.name,
+                      time.monotonic() - started, admitted - started)
     elif req.wait:
         await ctx.residency.wait_ready(entry, 24 * 3600)
     conn.send(protocol.ok(req.id, entry=entry.describe()))

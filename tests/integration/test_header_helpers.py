@@ -53,6 +53,17 @@ def opened(path: Path, helpers: HeaderHelpers | None = None) -> list[tuple[Any, 
                  h.begins, h.ends, h.sizes, h.contiguous) for h in ckpt.headers]
 
 
+def laid_out(path: Path, helpers: HeaderHelpers | None = None) -> tuple[list[tuple[Any, ...]], tuple[str, Any]]:
+    """The headers, and the layout (or its error: a name the layout refuses) of the checkpoint."""
+    def layout() -> tuple[Any, ...]:
+        m = ckpt.manifest()
+        return m.names, m.dtype_codes, m.shapes, list(m.shape_ids), list(m.offsets), m.size
+
+    with Checkpoint.open(path, helpers=helpers) as ckpt:
+        return [(h.file, h.raw, h.data_start, h.file_size, h.names, h.dtype_codes, h.shapes, list(h.shape_ids),
+                 h.begins, h.ends, h.sizes, h.contiguous) for h in ckpt.headers], outcome(layout)
+
+
 def experts(d: Path, shards: int, per_shard: int, shuffled: bool = False, uniform: bool = False) -> Path:
     """MoE-like shards, large enough to go to the helpers at the real threshold (`uniform`: every
     expert of one dtype and shape, back to back, as real expert shards are: a fast fill)."""
@@ -85,7 +96,51 @@ def test_helpers_give_what_the_daemon_parses_valid_or_not(helpers: HeaderHelpers
     with tempfile.TemporaryDirectory() as tmp:
         for i, (doc, data_len) in enumerate(shards):
             write(Path(tmp) / f"m{i}.safetensors", doc, data_len)
-        assert outcome(partial(opened, Path(tmp), helpers)) == outcome(partial(opened, Path(tmp)))
+        assert outcome(partial(laid_out, Path(tmp), helpers)) == outcome(partial(laid_out, Path(tmp)))
+
+
+@pytest.mark.parametrize("bad", ["", "x\x01y", "z" * 1025, "tab\tname"])
+def test_a_bad_name_in_a_piece_is_refused_by_the_layout_as_without_helpers(helpers: HeaderHelpers, bad: str,
+                                                                          tmp_path: Path) -> None:
+    """The helpers check the names (`header_columns`), so the layout need not: a header with a name
+    it refuses is parsed here whole, and the layout says what it says without helpers."""
+    ckpt = experts(tmp_path / "m", 2, 12_000)
+    f = ckpt / "model-00001.safetensors"
+    raw = f.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    doc = json.loads(raw[8 : 8 + n])
+    last = list(doc)[-1]
+    doc[bad] = doc.pop(last)  # in the last piece
+    write(f, doc, len(raw) - 8 - n)
+    want = laid_out(ckpt)
+    assert want[1][0] == "BadRequest" and "bad tensor name" in want[1][1]
+    assert laid_out(ckpt, helpers) == want
+    with Checkpoint.open(ckpt, helpers=helpers) as opened_ckpt:
+        assert [h.names_checked for h in opened_ckpt.headers] == [True, False]  # that one parsed here
+
+
+def test_names_the_helpers_checked_are_not_checked_again_by_the_layout(helpers: HeaderHelpers, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from wcd import checkpoint, manifest
+
+    ckpt = experts(tmp_path / "m", 3, 12_000)
+    want = laid_out(ckpt)
+    checked: list[int] = []
+    names_valid = manifest.names_valid
+
+    def counting(names: Any) -> bool:
+        checked.append(len(names))
+        return names_valid(names)
+
+    monkeypatch.setattr(checkpoint, "names_valid", counting)
+    monkeypatch.setattr(manifest, "names_valid", counting)
+    with Checkpoint.open(ckpt, helpers=helpers) as opened_ckpt:
+        assert opened_ckpt.helped == 3 and all(h.names_checked for h in opened_ckpt.headers)
+        in_the_parse = len(checked)
+        opened_ckpt.manifest()
+    assert in_the_parse == 0  # the helpers checked them, in their processes
+    assert checked == []  # and the layout did not again
+    assert laid_out(ckpt, helpers) == want
 
 
 def test_a_name_repeated_in_two_pieces_reads_as_one_parse_reads_it(helpers: HeaderHelpers, tmp_path: Path) -> None:
