@@ -26,6 +26,7 @@
 #                                     restart A/B against oldtree/
 #   bash bench/device_run.sh round6   GPU tests; the helpers A/B three times; restart with a 100k entry kept
 #   bash bench/device_run.sh verify   GPU tests; verify/digest passes at 1k and 100k tensors, 16/8/4/2 threads
+#   bash bench/device_run.sh round8   GPU tests; the 100k admission with 8 helpers in time; loads A/B against oldtree/
 #   bash bench/device_run.sh round7c  GPU tests; raw headers through a memfd, cheaper checks: loads A/B/C against
 #                                     oldtree/ (ddca013) and oldtree2/ (557f1c6), three rounds
 #   bash bench/device_run.sh round7b  GPU tests; helpers' next batch before the answer's unpacking: loads A/B against
@@ -229,6 +230,17 @@ print('primary context: retain', round((time.perf_counter() - t) * 1e3, 1), 'ms;
       | grep -E "FAILED|ERROR|passed|failed" | cut -c1-300
     timeout 200 python3 bench/verify_threads.py --device cuda:0 --threads 16,8,4,2 --reps 2 2>&1 \
       | tee "$OUT/verify-threads.txt" | tail -9 ;;
+  round8)  # GPU tests; the admission with 8 helpers in time (trace_admit); 1.6 GB 1k/100k warm loads of oldtree/
+    # (59c79ee) and this tree (names checked in the helpers, each header's work as it lands), alternated
+    python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from bench_load import write_checkpoint
+write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-100000'), int(1.6e9), 100000, 4)"
+    for h in 8 0; do
+      timeout 60 python3 bench/trace_admit.py --helpers $h --ckpt /tmp/wcd-bench-load/1.6gb-100000 --reps 5 \
+        --out "$OUT/trace-admit-$h.json" 2>&1 | grep -E "medians|piece|^  " | head -30
+    done
+    round7_ab "old=oldtree new=."
+    grep -hE "answered" "$OUT"/logs/daemon-new-*.log | cut -c1-200
+    tar -C "$OUT" -czf "$OUT/round8-logs.tgz" logs && rm -r "$OUT/logs" ;;
   round7c)  # GPU tests; bench_admit with 8 helpers; 1.6 GB 1k/100k warm loads of oldtree/ (ddca013), oldtree2/
     # (557f1c6, round7b's) and this tree, alternated, three rounds
     round7_ab "old=oldtree r7b=oldtree2 new=."
