@@ -26,6 +26,7 @@
 #                                     restart A/B against oldtree/
 #   bash bench/device_run.sh round6   GPU tests; the helpers A/B three times; restart with a 100k entry kept
 #   bash bench/device_run.sh verify   GPU tests; verify/digest passes at 1k and 100k tensors, 16/8/4/2 threads
+#   bash bench/device_run.sh round8b [N]  cold 1.6 GB: fastsafetensors, wcd with its context up, wcd without (N rounds)
 #   bash bench/device_run.sh round8   GPU tests; the 100k admission with 8 helpers in time; loads A/B against oldtree/
 #   bash bench/device_run.sh round7c  GPU tests; raw headers through a memfd, cheaper checks: loads A/B/C against
 #                                     oldtree/ (ddca013) and oldtree2/ (557f1c6), three rounds
@@ -230,6 +231,13 @@ print('primary context: retain', round((time.perf_counter() - t) * 1e3, 1), 'ms;
       | grep -E "FAILED|ERROR|passed|failed" | cut -c1-300
     timeout 200 python3 bench/verify_threads.py --device cuda:0 --threads 16,8,4,2 --reps 2 2>&1 \
       | tee "$OUT/verify-threads.txt" | tail -9 ;;
+  round8b)  # cold 1.6 GB / 1k: fastsafetensors, wcd with its context up (lingering), wcd with staging_linger_s = 0
+    mkdir -p "$OUT/logs"
+    BENCH_DAEMON_LOG_LEVEL=debug timeout 400 python3 bench/cold_context.py --device cuda:0 --dir /tmp/wcd-bench-load \
+      --ckpt 1.6:1000 --rounds "${2:-3}" --out "$OUT/cold-context.json" 2>&1 | tail -12 | cut -c1-600
+    python3 -c "import json; d=json.load(open('$OUT/cold-context.json'))
+for k, v in d['daemon_logs'].items():
+    print(k); print(''.join(l + chr(10) for l in v.splitlines() if 'filled' in l or 'answered' in l)[-2000:])" ;;
   round8)  # GPU tests; the admission with 8 helpers in time (trace_admit); 1.6 GB 1k/100k warm loads of oldtree/
     # (59c79ee) and this tree (names checked in the helpers, each header's work as it lands), alternated
     python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from bench_load import write_checkpoint
