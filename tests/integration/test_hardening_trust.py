@@ -277,11 +277,12 @@ def test_disconnect_during_allocation_reclaims_the_arena(make_daemon):
 
 def test_fill_lease_outliving_its_ttl_while_allocating_still_gets_its_reply(make_daemon):
     """The attack (and plain bad luck): an allocation longer than the lease TTL."""
-    d = make_daemon("lease_ttl_s = 0.1\n")
+    # 3 GiB: posix_fallocate takes 0.1-0.5 s per GiB on the VMs this runs on, so well past the TTL.
+    d = make_daemon('lease_ttl_s = 0.06\nbudget = { cpu = "6GiB" }\n')
     with pinging(d) as pings, d.client(timeout=30) as c:
         started = time.monotonic()
-        fill = c.reserve(KEY, {"w": (torch.uint8, (GiB,))})
-        assert time.monotonic() - started > 0.1  # the allocation outlasted the TTL
+        fill = c.reserve(KEY, {"w": (torch.uint8, (3 * GiB,))})
+        assert time.monotonic() - started > 0.06  # the allocation outlasted the TTL
         fill.tensors["w"][:4] = 7
         name = fill.commit()
         with c.acquire(name) as lease:
