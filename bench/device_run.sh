@@ -26,6 +26,7 @@
 #                                     restart A/B against oldtree/
 #   bash bench/device_run.sh round6   GPU tests; the helpers A/B three times; restart with a 100k entry kept
 #   bash bench/device_run.sh verify   GPU tests; verify/digest passes at 1k and 100k tensors, 16/8/4/2 threads
+#   bash bench/device_run.sh round8c  GPU tests; pieces per helper swept; loads A/B against oldtree/; round8b
 #   bash bench/device_run.sh round8b [N]  cold 1.6 GB: fastsafetensors, wcd with its context up, wcd without (N rounds)
 #   bash bench/device_run.sh round8   GPU tests; the 100k admission with 8 helpers in time; loads A/B against oldtree/
 #   bash bench/device_run.sh round7c  GPU tests; raw headers through a memfd, cheaper checks: loads A/B/C against
@@ -231,6 +232,16 @@ print('primary context: retain', round((time.perf_counter() - t) * 1e3, 1), 'ms;
       | grep -E "FAILED|ERROR|passed|failed" | cut -c1-300
     timeout 200 python3 bench/verify_threads.py --device cuda:0 --threads 16,8,4,2 --reps 2 2>&1 \
       | tee "$OUT/verify-threads.txt" | tail -9 ;;
+  round8c)  # GPU tests; PIECES_PER_HELPER swept in trace_admit (8 helpers); 1.6 GB 1k/100k warm loads of
+    # oldtree/ (59c79ee) and this tree, alternated; then round8b (cold with the context up or not)
+    python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from bench_load import write_checkpoint
+write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-100000'), int(1.6e9), 100000, 4)"
+    timeout 120 python3 bench/trace_admit.py --helpers 8 --ckpt /tmp/wcd-bench-load/1.6gb-100000 --reps 7 \
+      --pieces-per-helper 1,2,3,4,6 --out "$OUT/trace-admit-sweep.json" 2>&1 | grep -E "medians|pieces per"
+    round7_ab "old=oldtree new=."
+    grep -hE "answered" "$OUT"/logs/daemon-new-*.log | cut -c1-200
+    tar -C "$OUT" -czf "$OUT/round8c-logs.tgz" logs && rm -r "$OUT/logs"
+    bash "$0" round8b 3 ;;
   round8b)  # cold 1.6 GB / 1k: fastsafetensors, wcd with its context up (lingering), wcd with staging_linger_s = 0
     mkdir -p "$OUT/logs"
     BENCH_DAEMON_LOG_LEVEL=debug timeout 400 python3 bench/cold_context.py --device cuda:0 --dir /tmp/wcd-bench-load \

@@ -54,6 +54,8 @@ def main() -> None:
     p.add_argument("--ckpt", type=Path, required=True)
     p.add_argument("--helpers", type=int, default=8)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--pieces-per-helper", default="", help="comma-separated PIECES_PER_HELPER values to sweep "
+                   "(each: --reps parses, medians reported); default: the module's")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     helpers = header_helpers.HeaderHelpers(args.helpers)
@@ -91,6 +93,21 @@ def main() -> None:
         run["parse_beside_fingerprint_ms"] = _ms(time.perf_counter() - start)
         runs.append(run)
         print(json.dumps({k: v for k, v in run.items() if k != "events"}))
+    sweep: dict[str, dict[str, float]] = {}
+    for value in [int(v) for v in args.pieces_per_helper.split(",") if v]:
+        header_helpers.PIECES_PER_HELPER = value
+        parses, tails, jobs_n = [], [], 0
+        for _ in range(args.reps):
+            shards = Shards.open(args.ckpt)
+            events.clear()
+            _t0 = time.perf_counter()
+            shards.parse(helpers).close()
+            parses.append(time.perf_counter() - _t0)
+            tails.append(parses[-1] - max((t for t, kind, _, _ in events if kind == "answer"), default=0.0))
+            jobs_n = sum(1 for _, kind, _, _ in events if kind == "send")
+        sweep[str(value)] = {"parse_ms": _ms(statistics.median(parses)), "best_ms": _ms(min(parses)),
+                             "after_last_answer_ms": _ms(statistics.median(tails)), "batches": jobs_n}
+        print(f"pieces per helper {value}: {json.dumps(sweep[str(value)])}")
     print("events of the last run (ms, what, helper pid, bytes):")
     for e in runs[-1]["events"]:
         print("  ", e)
@@ -120,7 +137,8 @@ def main() -> None:
     print("medians:", json.dumps(summary))
     helpers.close()
     if args.out:
-        args.out.write_text(json.dumps({"runs": runs, "piece": piece_info, "medians": summary}, indent=1) + "\n")
+        args.out.write_text(json.dumps({"runs": runs, "piece": piece_info, "medians": summary, "sweep": sweep},
+                                       indent=1) + "\n")
 
 
 if __name__ == "__main__":

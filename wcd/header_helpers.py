@@ -38,7 +38,7 @@ import threading
 import time
 from array import array
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from itertools import chain
 from typing import TYPE_CHECKING
 
@@ -59,6 +59,9 @@ MAX_BATCH = 1 << 16  # headers in one batch (a checkpoint has far fewer shards)
 # malloc_trim or not): it is replaced by a fresh one.
 RETIRE_BYTES = 8 << 20
 STALL_S = 5.0  # a send or read that makes no progress for this long fails (and see `answer_within`)
+# Batches of about 1/PIECES_PER_HELPER of an even share each (`target_bytes`): with 8 helpers on the
+# H200 hosts, 2 left the calling thread 8 answers of 6,000 tensors to unpack after the last round.
+PIECES_PER_HELPER = 2
 KEEP_BUFFER_BYTES = 4 << 20  # a helper's buffer keeps the pages of batches up to this size
 # The systemd interface stays the daemon's: a helper must not notify, nor think it was activated.
 _NOT_INHERITED = ("NOTIFY_SOCKET", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES", "WATCHDOG_USEC", "WATCHDOG_PID")
@@ -130,30 +133,41 @@ class _Helper:
 
 
 def target_bytes(sizes: list[int], helpers: int) -> int:
-    """The bytes of raw header in a batch: at least MIN_HELPER_BYTES and about a tenth of what each
-    of the helpers and the calling thread would parse if the work were shared evenly (a few
-    batches each, so that whoever is first done takes another)."""
-    return max(MIN_HELPER_BYTES, sum(sizes) // (2 * (helpers + 1)))
+    """The bytes of raw header in a batch: at least MIN_HELPER_BYTES and about 1/PIECES_PER_HELPER
+    of what each of the helpers and the calling thread would parse if the work were shared evenly
+    (a few batches each, so that whoever is first done takes another, and the answers of the last
+    ones, which the calling thread unpacks one after the other, are small)."""
+    return max(MIN_HELPER_BYTES, sum(sizes) // (PIECES_PER_HELPER * (helpers + 1)))
 
 
-def batches(sizes: list[int], helpers: int) -> tuple[deque[list[int]], list[list[int]]]:
+def batches(sizes: list[int], helpers: int, alone: Container[int] = ()) -> tuple[deque[list[int]], list[list[int]]]:
     """The jobs of raw headers of `sizes` bytes in batches of consecutive ones: (those worth sending
     to a helper, those to parse here), each of about `target_bytes`; a header that large alone is
-    a batch. Many shards of small headers (a MoE checkpoint in 160 shards) go out together."""
+    a batch, and so is each job in `alone` (a piece of a header `split` cut: that large already).
+    Many shards of small headers (a MoE checkpoint in 160 shards) go out together."""
     target = target_bytes(sizes, helpers)
     far: deque[list[int]] = deque()
+    near: list[list[int]] = []
     batch: list[int] = []
     held = 0
+
+    def close() -> None:
+        nonlocal batch, held
+        if batch:
+            (far.append if held >= MIN_HELPER_BYTES else near.append)(batch)
+        batch, held = [], 0
+
     for i, size in enumerate(sizes):
+        if i in alone:
+            close()
+            far.append([i])
+            continue
         batch.append(i)
         held += size
         if held >= target:
-            far.append(batch)
-            batch, held = [], 0
-    if batch and held >= MIN_HELPER_BYTES:
-        far.append(batch)
-        batch = []
-    return far, [batch] if batch else []
+            close()
+    close()
+    return far, near
 
 
 def split(jobs: Sequence[tuple[bytes, int]], helpers: int) -> tuple[list[tuple[bytes, int]], list[range]]:
@@ -167,7 +181,7 @@ def split(jobs: Sequence[tuple[bytes, int]], helpers: int) -> tuple[list[tuple[b
     work: list[tuple[bytes, int]] = []
     owners: list[range] = []
     for raw, data_size in jobs:
-        k = max(1, round(len(raw) / max(target, 1))) if helpers else 1
+        k = max(1, len(raw) // max(target, 1)) if helpers else 1  # pieces of at least `target`
         pieces = member_pieces(raw, len(raw) // k) if k > 1 else None
         texts = pieces if pieces is not None else [raw]
         owners.append(range(len(work), len(work) + len(texts)))
@@ -289,7 +303,7 @@ class HeaderHelpers:
         from wcd.gcpause import gc_paused
 
         results: list[Columns | None] = [None] * len(jobs)
-        far, near = batches([len(raw) for raw, _ in jobs], self.count)
+        far, near = batches([len(raw) for raw, _ in jobs], self.count, pieces)
         if far and len(self._all) < self.count:  # none started yet (a parse before READY), or one lost
             self.start_soon()
         busy: dict[int, tuple[_Helper, list[int], float]] = {}  # by socket fd: helper, batch, deadline
