@@ -611,28 +611,25 @@ class Shards:
     def parse(self, helpers: HeaderHelpers | None = None) -> Checkpoint:
         """The checkpoint of these shards, their headers parsed (by `helpers` too, if given), and
         owning their descriptors; a shard that is not valid raises its LoadFailed (nothing closed).
-        With helpers, each header that comes back is made a `Header` and its names are added to
-        the check that no name is in two places while the helpers still parse the others."""
+        With helpers, each header that comes back is made a `Header`, and each piece's names are
+        added to the check that no name is in two places, while the helpers still parse the rest."""
         files, raws = self.files, self.raws
         helped = 0
         parsed: list[Header | None] = [None] * len(files)
-        names: set[str] = set()
-        counted = 0
+        names = NameCheck() if len(files) > 1 or helpers is not None else None
 
         def landed(k: int, columns: Columns | None = None) -> None:
-            nonlocal counted
             h = parsed[k] = header_from(files[k][0], *raws[k], columns)
-            if len(files) > 1 or helpers is not None:
-                names.update(h.names)
-                counted += len(h.names)
+            if columns is None and names is not None:  # the helpers' are added as they come
+                names.add(h.names)
 
         if helpers is not None:
-            helped = helpers.columns([(raw, size - start) for raw, start, size in raws], landed)[1]
+            helped = helpers.columns([(raw, size - start) for raw, start, size in raws], landed, names)[1]
         for k, h in enumerate(parsed):
             if h is None:  # not parsed by the helpers (or none): here, in order
                 landed(k)
         headers = tuple(h for h in parsed if h is not None)
-        if len(names) != counted:
+        if names is not None and not names.distinct:
             # A header merged from pieces (`merge_columns`) may hold a name twice, which one parse
             # reads as one tensor (the last value at the first place): those are parsed whole here.
             again = [len(set(h.names)) != len(h.names) for h in headers]
@@ -653,6 +650,29 @@ class Shards:
         files, self.files = self.files, []
         for _, fd in files:
             os.close(fd)
+
+
+class NameCheck:
+    """The names of a checkpoint's headers as they are parsed, to tell whether one is in two places:
+    the count of names added against the size of their set. Names taken back leave the set at most
+    smaller than the names it still counts, so `distinct` is never true of names that repeat."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+        self.count = 0
+
+    def add(self, names: Sequence[str]) -> None:
+        self.names.update(names)
+        self.count += len(names)
+
+    def take_back(self, names: Sequence[str]) -> None:
+        """Names added that are not the checkpoint's after all (pieces of a header parsed whole)."""
+        self.names.difference_update(names)
+        self.count -= len(names)
+
+    @property
+    def distinct(self) -> bool:
+        return len(self.names) == self.count
 
 
 def _distinct(headers: Sequence[Header]) -> bool:

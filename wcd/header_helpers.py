@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import subprocess
 
-    from wcd.checkpoint import Columns
+    from wcd.checkpoint import Columns, NameCheck
 
 log = logging.getLogger("wcd")
 
@@ -260,13 +260,15 @@ class HeaderHelpers:
         for helper in helpers:
             helper.close()
 
-    def columns(self, jobs: Sequence[tuple[bytes, int]],
-                landed: Callable[[int, Columns], None] | None = None) -> tuple[list[Columns | None], int]:
+    def columns(self, jobs: Sequence[tuple[bytes, int]], landed: Callable[[int, Columns], None] | None = None,
+                names: NameCheck | None = None) -> tuple[list[Columns | None], int]:
         """Each job's (raw header, data section size) columns, or None where the header is not
         valid (`header_columns`) or its pieces do not tell (`merge_columns`: it is parsed whole),
         and how many the helpers read. Large headers are cut into pieces (`split`). `landed(k,
-        columns)` is called, in this thread, for each job's columns as soon as they are known, while
-        the helpers parse the rest: what the caller does with each header is done by then too."""
+        columns)` is called, in this thread, for each job's columns as soon as they are known, and
+        the names of each piece are added to `names` as it comes, while the helpers parse the rest:
+        what the caller does with each header is done by then too. The names of a header that
+        comes back None are not in `names`."""
         from wcd.checkpoint import merge_columns
 
         work, owners = split(jobs, self.count)
@@ -279,11 +281,16 @@ class HeaderHelpers:
             """Job `i`'s columns are in `results` (or None): its header's, once all its pieces are."""
             k = owner[i]
             waiting[k] -= 1
+            if names is not None and results[i] is not None:
+                names.add(results[i][0])  # type: ignore[index]
             if waiting[k]:
                 return
             r = owners[k]
             parts = [part for part in results[r.start : r.stop] if part is not None]
             merged = results[r.start] if len(r) == 1 else merge_columns(parts) if len(parts) == len(r) else None
+            if merged is None and names is not None:
+                for part in parts:
+                    names.take_back(part[0])
             columns[k] = merged
             if merged is not None and landed is not None:
                 landed(k, merged)

@@ -151,3 +151,21 @@ def test_a_name_in_two_pieces_or_pieces_out_of_order_are_left_to_one_parse() -> 
     assert checkpoint.merge_columns(parts([("a", entry(0)), ("b", entry(2))])) is None  # overlap across pieces
     gap = checkpoint.merge_columns(parts([("a", entry(0)), ("b", entry(16))]))
     assert gap is not None and gap[4] == [0, 16] and not gap[-1]
+
+
+@given(groups=st.lists(st.tuples(st.lists(st.sampled_from("abcdefgh"), max_size=5), st.booleans()), max_size=8))
+def test_a_name_check_is_distinct_only_for_names_that_do_not_repeat(groups: list[tuple[list[str], bool]]) -> None:
+    """Groups of names added to a `NameCheck`, some taken back after (pieces of a header parsed
+    whole): `distinct` never says so of names that repeat among those kept, and says so of those
+    that do not when none was taken back."""
+    check = checkpoint.NameCheck()
+    for names, _ in groups:
+        check.add(names)
+    for names, back in groups:
+        if back:
+            check.take_back(names)
+    kept = [name for names, back in groups if not back for name in names]
+    if len(set(kept)) != len(kept):
+        assert not check.distinct
+    if not any(back for _, back in groups):
+        assert check.distinct == (len(set(kept)) == len(kept))
