@@ -135,13 +135,14 @@ def run_pieces(run: Run) -> zip[tuple[int, int]]:
     return zip(range(rel, rel + stride * count, stride), repeat(width, count))
 
 
-def _runs(sizes: list[int], ats: Sequence[int], s: int, j: int) -> tuple[Run, ...]:
+def _runs(sizes: list[int], ats: Sequence[int], s: int, j: int, one_size: bool = False) -> tuple[Run, ...]:
     """The tensors `s:j` (back to back in the file, at increasing aligned offsets `ats` that do not
     overlap) as maximal runs. Where equal sizes run from `a` to `b`, every step between offsets is
     a multiple of 256 at least the size, that is at least the stride: so they are all the stride
-    when the ends are that many strides apart, and the run is checked in O(1)."""
+    when the ends are that many strides apart, and the run is checked in O(1). `one_size`: the
+    caller knows that every size is the same."""
     base, size = ats[s], sizes[s]
-    if sizes[s:j].count(size) == j - s:  # the common case: all one size (all experts of one shape)
+    if one_size or sizes[s:j].count(size) == j - s:  # the common case: all one size (experts of one shape)
         firsts = [s, j]
     else:
         firsts = [s, *compress(range(s + 1, j), map(ne, sizes[s + 1 : j], sizes[s : j - 1])), j]
@@ -777,6 +778,7 @@ class Checkpoint:
             if 0 in sizes:  # zero-size tensors need no read and break no run
                 begins, ends, ats, sizes = (list(compress(c, h.sizes)) for c in (begins, ends, ats, sizes))
             m, start = len(sizes), h.data_start
+            one_size = len(h.shapes) == 1 and h.dtype_codes.count(h.dtype_codes[:1]) == n  # experts of one shape
             # Runs break where the file has a gap and around tensors of `batch` bytes or more.
             big = list(compress(range(m), map(ge, sizes, repeat(batch)))) if m and max(sizes) >= batch else []
             gaps = () if h.contiguous or begins[1:] == ends[:-1] else \
@@ -796,7 +798,7 @@ class Checkpoint:
                     if ats[j - 1] + sizes[j - 1] - base > batch:
                         j -= 1
                     span = ats[j - 1] + sizes[j - 1] - base
-                    runs = () if span == ends[j - 1] - begins[s] else _runs(sizes, ats, s, j)
+                    runs = () if span == ends[j - 1] - begins[s] else _runs(sizes, ats, s, j, one_size)
                     ops.append(CopyOp(shard, start + begins[s], base, span, runs))
                     s = j
         return ops
