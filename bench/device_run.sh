@@ -26,6 +26,8 @@
 #                                     restart A/B against oldtree/
 #   bash bench/device_run.sh round6   GPU tests; the helpers A/B three times; restart with a 100k entry kept
 #   bash bench/device_run.sh verify   GPU tests; verify/digest passes at 1k and 100k tensors, 16/8/4/2 threads
+#   bash bench/device_run.sh round8d  GPU tests; trace_admit with 8 and 12 helpers; loads A/B against oldtree/
+#   bash bench/device_run.sh table8   the 1.6 GB table (1k and 100k tensors, five loaders, warm and cold)
 #   bash bench/device_run.sh round8c  GPU tests; pieces per helper swept; loads A/B against oldtree/; round8b
 #   bash bench/device_run.sh round8b [N]  cold 1.6 GB: fastsafetensors, wcd with its context up, wcd without (N rounds)
 #   bash bench/device_run.sh round8   GPU tests; the 100k admission with 8 helpers in time; loads A/B against oldtree/
@@ -232,6 +234,23 @@ print('primary context: retain', round((time.perf_counter() - t) * 1e3, 1), 'ms;
       | grep -E "FAILED|ERROR|passed|failed" | cut -c1-300
     timeout 200 python3 bench/verify_threads.py --device cuda:0 --threads 16,8,4,2 --reps 2 2>&1 \
       | tee "$OUT/verify-threads.txt" | tail -9 ;;
+  round8d)  # GPU tests; trace_admit with 8 and 12 helpers; 1.6 GB 1k/100k warm loads of oldtree/ (59c79ee) and
+    # this tree, alternated, three rounds
+    python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from bench_load import write_checkpoint
+write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-100000'), int(1.6e9), 100000, 4)"
+    for h in 8 12; do
+      timeout 60 python3 bench/trace_admit.py --helpers $h --ckpt /tmp/wcd-bench-load/1.6gb-100000 --reps 7 \
+        --pieces-per-helper 2 --out "$OUT/trace-admit-$h.json" 2>&1 | grep -E "medians|pieces per" | sed "s/^/$h helpers: /"
+    done
+    round7_ab "old=oldtree new=."
+    grep -hE "answered|admitting b1" "$OUT"/logs/daemon-new-*.log | cut -c1-200
+    tar -C "$OUT" -czf "$OUT/round8d-logs.tgz" logs && rm -r "$OUT/logs" ;;
+  table8)  # the 1.6 GB table: 1k and 100k tensors, five loaders, warm (best of 3) and cold
+    BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT 540 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load \
+      --ckpt 1.6:1000 --ckpt 1.6:100000 --cold --reps 3 --loaders wcd,safetensors,fastsafetensors,instanttensor,runai \
+      --out "$OUT/load-table.json" --daemon-log "$OUT/daemon-table.log" 2>&1 | tee "$OUT/load-table.log" \
+      | grep -v '"wcd_verify"' | cut -c1-300 | tail -24
+    grep -E "admitting|filled from|loaded|answered" "$OUT"/daemon-table.log | cut -c1-220 ;;
   round8c)  # GPU tests; PIECES_PER_HELPER swept in trace_admit (8 helpers); 1.6 GB 1k/100k warm loads of
     # oldtree/ (59c79ee) and this tree, alternated; then round8b (cold with the context up or not)
     python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from bench_load import write_checkpoint
