@@ -778,7 +778,7 @@ class Checkpoint:
             if 0 in sizes:  # zero-size tensors need no read and break no run
                 begins, ends, ats, sizes = (list(compress(c, h.sizes)) for c in (begins, ends, ats, sizes))
             m, start = len(sizes), h.data_start
-            one_size = len(h.shapes) == 1 and h.dtype_codes.count(h.dtype_codes[:1]) == n  # experts of one shape
+            one_size = bool(sizes) and sizes.count(sizes[0]) == m  # experts of one shape: one C-level pass
             # Runs break where the file has a gap and around tensors of `batch` bytes or more.
             big = list(compress(range(m), map(ge, sizes, repeat(batch)))) if m and max(sizes) >= batch else []
             gaps = () if h.contiguous or begins[1:] == ends[:-1] else \

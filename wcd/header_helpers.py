@@ -40,6 +40,7 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Container, Sequence
 from itertools import chain
+from operator import mul
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -484,13 +485,14 @@ def _encode(columns: Columns) -> bytes:
 
 def _answer(payload: bytes, data_size: int) -> Columns:
     """The columns a helper sent, if they are of the shape `header_columns` makes: each column as
-    long as the names, of its type, and every tensor within the data section (what they hold was
-    checked by the helper's run of the daemon's code); else ValueError. C-level passes, most of
-    them over the arrays' bytes before they become Python ints."""
+    long as the names, of its type, every tensor within the data section and of its shape's and
+    dtype's size, and every name one the layout accepts (the layout does not check them again:
+    `Header.names_checked`); else ValueError. What else they hold (the order, no overlaps) was checked by the helper's run of the
+    daemon's code. C-level passes, most of them over the arrays' bytes before they become ints."""
     import msgpack
 
     from wcd.gcpause import gc_paused
-    from wcd.manifest import DTYPES
+    from wcd.manifest import DTYPES, ITEMSIZES, names_valid
 
     with gc_paused():
         names, codes, shapes, ids, offsets, contiguous = msgpack.unpackb(payload, use_list=False)
@@ -509,7 +511,16 @@ def _answer(payload: bytes, data_size: int) -> Columns:
                 or (ids.count(0) != len(ids) if len(shapes) == 1 else n and max(shape_ids) >= len(shapes))):
             raise ValueError("columns that are not a header's")
         begins, ends, sizes = numbers[:n].tolist(), numbers[n : 2 * n].tolist(), numbers[2 * n :].tolist()
-        if n and max(ends) > data_size:
+        if not n:
+            return names, codes, shapes, shape_ids, begins, ends, sizes, contiguous
+        if any(d < 0 for shape in shapes for d in shape):  # a step per distinct shape's dimension
+            raise ValueError("columns that are not a header's")
+        numels = list(map(math.prod, shapes))
+        if len(shapes) == 1 and codes.count(codes[:1]) == n:  # one shape and dtype: one size
+            sized = sizes.count(numels[0] * ITEMSIZES[codes[0]]) == n
+        else:
+            sized = list(map(mul, map(numels.__getitem__, shape_ids), map(ITEMSIZES.__getitem__, codes))) == sizes
+        if not sized or max(ends) > data_size or not names_valid(names):
             raise ValueError("columns that are not a header's")
         return names, codes, shapes, shape_ids, begins, ends, sizes, contiguous
 

@@ -445,6 +445,13 @@ GARBAGE: dict[str, Callable[[bytes, int], bytes]] = {
     "a bad dtype code": lambda raw, size: wrong_columns(raw, size, lambda c: c.__setitem__(1, b"\xff" * len(c[1]))),
     "a negative size": lambda raw, size: wrong_columns(raw, size, lambda c: c[6].__setitem__(0, -1)),
     "a name not a string": lambda raw, size: wrong_columns(raw, size, lambda c: c.__setitem__(0, (1, *c[0][1:]))),
+    # The layout takes a helper's names as checked, and the plan its sizes as its shapes' (a review's finds):
+    "a name that forges a log line": lambda raw, size: wrong_columns(
+        raw, size, lambda c: c.__setitem__(0, ("a\nINFO forged", *c[0][1:]))),
+    "an empty name": lambda raw, size: wrong_columns(raw, size, lambda c: c.__setitem__(0, ("", *c[0][1:]))),
+    "a name too long": lambda raw, size: wrong_columns(raw, size, lambda c: c.__setitem__(0, ("z" * 1025, *c[0][1:]))),
+    "shapes not their sizes": lambda raw, size: wrong_columns(
+        raw, size, lambda c: c.__setitem__(2, tuple((s[0] + 1, *s[1:]) for s in c[2]))),
     "offsets short": lambda raw, size: sized(msgpack.packb([("a",), b"\0", ((1,),), b"\0" * 4, b"\0" * 8, True])),
 }
 
