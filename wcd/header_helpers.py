@@ -487,8 +487,9 @@ def _answer(payload: bytes, data_size: int) -> Columns:
     """The columns a helper sent, if they are of the shape `header_columns` makes: each column as
     long as the names, of its type, every tensor within the data section and of its shape's and
     dtype's size, and every name one the layout accepts (the layout does not check them again:
-    `Header.names_checked`); else ValueError. What else they hold (the order, no overlaps) was checked by the helper's run of the
-    daemon's code. C-level passes, most of them over the arrays' bytes before they become ints."""
+    `Header.names_checked`); else ValueError. What else they hold (the order, no overlaps) was
+    checked by the helper's run of the daemon's code. C-level passes, most of them over the arrays'
+    bytes before they become ints."""
     import msgpack
 
     from wcd.gcpause import gc_paused
