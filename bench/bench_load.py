@@ -9,7 +9,9 @@ Per checkpoint (synthetic BF16, equal tensors, a few shards), one run, side by s
   - safetensors `load_file`, fastsafetensors, instanttensor, runai-model-streamer, each in a
     fresh process with torch (and the CUDA context) up before the clock starts; a peer whose
     package is missing is reported as such.
-Cold runs drop the page cache first (`sync; echo 3 > /proc/sys/vm/drop_caches`, root only).
+Cold runs drop the page cache first (`sync; echo 3 > /proc/sys/vm/drop_caches`, root only);
+`--cold-reps N` runs N cold rounds, the loaders' order rotated each round (on a VM a loader that
+follows another over the same files can read faster: the hypervisor may keep what the guest dropped).
 Works with host arenas (`--device cpu`, any Linux VM) and on a GPU (`--device cuda:0`).
 `BENCH_DAEMON_CONFIG="load_workers = 4"` adds lines (`;` between them) to the daemons' `[daemon]` table.
 
@@ -24,6 +26,7 @@ import json
 import mmap
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -256,6 +259,8 @@ def main() -> int:
     ap.add_argument("--shards", type=int, default=4)
     ap.add_argument("--loaders", default=",".join(LOADERS))
     ap.add_argument("--cold", action="store_true", help="also with the page cache dropped (root)")
+    ap.add_argument("--cold-reps", type=int, default=1,
+                    help="cold rounds, the loaders' order rotated each round (best and median reported)")
     ap.add_argument("--reps", type=int, default=2, help="warm repetitions (best is reported)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--daemon-log", type=Path, help="copy the daemon's log here at the end")
@@ -306,26 +311,42 @@ def main() -> int:
                         row["plain_memfd_copy_GBps"] = nbytes / best / 1e9
                     elif mode == "warm" and "h2d" not in result:
                         result["pinned_h2d_GBps"] = pinned_h2d(args.device) / 1e9
+                    # Warm: each loader's reps back to back. Cold: round after round, the loaders' order
+                    # rotated each round (the hypervisor may keep what the guest dropped: a loader right
+                    # after another read the same files reads faster).
+                    if mode == "warm":
+                        schedule = [(loader, i) for loader in loaders for i in range(reps)]
+                    else:
+                        schedule = [(loader, i) for i in range(args.cold_reps)
+                                    for loader in loaders[i % len(loaders):] + loaders[: i % len(loaders)]]
+                    times: dict[str, list[float]] = {loader: [] for loader in loaders}
+                    for loader, i in schedule:
+                        if isinstance(row.get(loader), dict) and "error" in row[loader]:  # type: ignore[operator]
+                            continue
+                        prepare()
+                        if loader in daemons:
+                            verify: dict[str, object] | None = \
+                                {} if loader == "wcd" and mode == "warm" and i == 0 else None
+                            times[loader].append(daemons[loader].load(d, args.device, f"b{len(runs)}-{i}", verify))
+                            if verify:
+                                row["wcd_verify"] = {**verify, "GBps_each_side": nbytes / verify["seconds"] / 1e9}  # type: ignore[operator]
+                        else:
+                            got = peer(loader, args.device, files)
+                            if "error" in got:
+                                row[loader] = got
+                                continue
+                            times[loader].append(float(got["seconds"]))  # type: ignore[arg-type]
+                        if mode == "cold":
+                            print(json.dumps({"mode": mode, "round": i, "loader": loader,
+                                              "seconds": round(times[loader][-1], 3)}), flush=True)
                     for loader in loaders:
-                        times = []
-                        for i in range(reps):
-                            prepare()
-                            if loader in daemons:
-                                verify: dict[str, object] | None = \
-                                    {} if loader == "wcd" and mode == "warm" and i == 0 else None
-                                times.append(daemons[loader].load(d, args.device, f"b{len(runs)}-{i}", verify))
-                                if verify:
-                                    row["wcd_verify"] = {**verify, "GBps_each_side": nbytes / verify["seconds"] / 1e9}  # type: ignore[operator]
-                            else:
-                                got = peer(loader, args.device, files)
-                                if "error" in got:
-                                    row[loader] = got
-                                    break
-                                times.append(float(got["seconds"]))  # type: ignore[arg-type]
-                        if times:  # first: the first load of this run (for wcd: before staging lingers)
-                            row[loader] = {"seconds": min(times), "GBps": nbytes / min(times) / 1e9,
-                                           "first_seconds": times[0], "all_seconds": times}
-                        print(json.dumps({k: row[k] for k in ("gb", "tensors", "mode", loader)}), flush=True)
+                        got_times = times[loader]
+                        if got_times:  # first: the first load of this run (for wcd: before staging lingers)
+                            row[loader] = {"seconds": min(got_times), "GBps": nbytes / min(got_times) / 1e9,
+                                           "median_seconds": statistics.median(got_times),
+                                           "first_seconds": got_times[0], "all_seconds": got_times}
+                        shown = {k: row[k] for k in ("gb", "tensors", "mode", loader) if k in row}
+                        print(json.dumps(shown), flush=True)
                     runs.append(row)
                     print(json.dumps(row), flush=True)
         finally:

@@ -27,6 +27,7 @@
 #   bash bench/device_run.sh round6   GPU tests; the helpers A/B three times; restart with a 100k entry kept
 #   bash bench/device_run.sh verify   GPU tests; verify/digest passes at 1k and 100k tensors, 16/8/4/2 threads
 #   bash bench/device_run.sh round8d  GPU tests; trace_admit with 8 and 12 helpers; loads A/B against oldtree/
+#   bash bench/device_run.sh cold8    1.6 GB cold, four loaders, three rounds in rotated order
 #   bash bench/device_run.sh table8   the 1.6 GB table (1k and 100k tensors, five loaders, warm and cold)
 #   bash bench/device_run.sh round8c  GPU tests; pieces per helper swept; loads A/B against oldtree/; round8b
 #   bash bench/device_run.sh round8b [N]  cold 1.6 GB: fastsafetensors, wcd with its context up, wcd without (N rounds)
@@ -245,6 +246,12 @@ write_checkpoint(Path('/tmp/wcd-bench-load/1.6gb-100000'), int(1.6e9), 100000, 4
     round7_ab "old=oldtree new=."
     grep -hE "answered|admitting b1" "$OUT"/logs/daemon-new-*.log | cut -c1-200
     tar -C "$OUT" -czf "$OUT/round8d-logs.tgz" logs && rm -r "$OUT/logs" ;;
+  cold8)  # 1.6 GB / 1k cold: wcd and three peers, three rounds, the loaders' order rotated each round
+    BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT 540 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load \
+      --ckpt 1.6:1000 --cold --cold-reps 3 --reps 1 --loaders wcd,safetensors,fastsafetensors,runai \
+      --out "$OUT/load-cold.json" --daemon-log "$OUT/daemon-cold.log" 2>&1 | tee "$OUT/load-cold.log" \
+      | grep -E '"round"|"mode": "cold", "(wcd|safetensors|fastsafetensors|runai)"' | cut -c1-300
+    grep -E "filled from" "$OUT"/daemon-cold.log | cut -c1-220 ;;
   table8)  # the 1.6 GB table: 1k and 100k tensors, five loaders, warm (best of 3) and cold
     BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT 540 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load \
       --ckpt 1.6:1000 --ckpt 1.6:100000 --cold --reps 3 --loaders wcd,safetensors,fastsafetensors,instanttensor,runai \
