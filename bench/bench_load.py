@@ -3,15 +3,21 @@
 Per checkpoint (synthetic BF16, equal tensors, a few shards), one run, side by side:
   - ceilings: a plain page-cache -> memfd copy (host) or pinned host->device copy (GPU), and,
     cold, the disk's parallel O_DIRECT read bandwidth (several readers; no fio needed);
-  - wcd `load` op through a real daemon (fingerprint + allocate + fill), timed by a fresh client
-    process from before it imports wcd.client (import + connect + the op); `wcd-direct` is a
-    second daemon with `cold_reads = "direct"` (cold files read with O_DIRECT);
-  - safetensors `load_file`, fastsafetensors, instanttensor, runai-model-streamer, each in a
-    fresh process with torch (and the CUDA context) up before the clock starts; a peer whose
+  - wcd `load` op through a real daemon (fingerprint + allocate + fill); `wcd-direct` is a second
+    daemon with `cold_reads = "direct"` (cold files read with O_DIRECT);
+  - safetensors `load_file`, fastsafetensors, instanttensor, runai-model-streamer; a peer whose
     package is missing is reported as such.
+Every loader runs in a fresh process that starts as an engine does, torch imported and the CUDA
+context up, before its clock starts; wcd's clock then covers importing wcd.client, connecting and
+the op. (Until 2026-12-03 wcd's process imported no torch: after a drop of the page cache its clock
+started a few ms after the drop, the peers' after seconds of torch import; see `--settle`.)
 Cold runs drop the page cache first (`sync; echo 3 > /proc/sys/vm/drop_caches`, root only);
 `--cold-reps N` runs N cold rounds, the loaders' order rotated each round (on a VM a loader that
 follows another over the same files can read faster: the hypervisor may keep what the guest dropped).
+`--settle S` waits S seconds after each drop, before each cold load (a VM's disk may read faster
+after an idle spell: `bench/disk_idle.py`). Each cold load records what the checkpoint's block
+device saw while its clock ran (`/sys/dev/block/M:N/stat`): requests, their mean size, the time it
+was busy and the mean queue.
 Works with host arenas (`--device cpu`, any Linux VM) and on a GPU (`--device cuda:0`).
 `BENCH_DAEMON_CONFIG="load_workers = 4"` adds lines (`;` between them) to the daemons' `[daemon]` table.
 
@@ -42,15 +48,24 @@ from wcd.client import Client, connect  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 LOADERS = ("wcd", "safetensors", "fastsafetensors", "instanttensor", "runai")
 
-# Each peer runs in a fresh process: argv = loader, device, files...; prints one JSON line.
-_PEER = r"""
-import json, sys, time
-loader, device, files = sys.argv[1], sys.argv[2], sys.argv[3:]
+# Every loader runs in a fresh process that starts as an engine would: torch imported and, on a GPU,
+# its CUDA context up before the clock starts (after a drop of the page cache, that import reads the
+# same disk for every loader alike). Each reads the disk's counters (BENCH_DISK_STAT, a sysfs stat
+# file) as its clock starts and stops, and prints one JSON line.
+_ENGINE = r"""
+import json, os, sys, time
+stat = os.environ.get("BENCH_DISK_STAT")
 import torch
-if device.startswith("cuda"):
-    torch.zeros(1, device=device); torch.cuda.synchronize()
-out = {}
+if sys.argv[2].startswith("cuda"):
+    torch.zeros(1, device=sys.argv[2]); torch.cuda.synchronize()
 start = time.perf_counter()
+disk = [open(stat).read()] if stat else []
+"""
+
+# A peer: argv = loader, device, files...
+_PEER = _ENGINE + r"""
+loader, device, files = sys.argv[1], sys.argv[2], sys.argv[3:]
+out = {}
 n = 0
 if loader == "safetensors":
     from safetensors.torch import load_file
@@ -75,19 +90,20 @@ elif loader == "runai":
 if device.startswith("cuda"):
     torch.cuda.synchronize()
 out["seconds"] = time.perf_counter() - start
+out["disk"] = disk + [open(stat).read()] if stat else []
 out["bytes"] = n
 print(json.dumps(out))
 """
 
 
-# The wcd `load` op from a fresh process: argv = socket, name, path, device; prints the seconds.
-_WCD_LOAD = r"""
-import sys, time
-start = time.perf_counter()
+# The wcd `load` op: argv = socket, device, name, path. The clock covers importing the client,
+# connecting and the op: what an engine asking for a load (or `wcdctl load`) pays.
+_WCD_LOAD = _ENGINE + r"""
 from wcd.client import Client
 with Client(sys.argv[1], heartbeats=False, timeout=3600) as c:
-    c.load(sys.argv[2], sys.argv[3], device=sys.argv[4], wait=True)
-print(time.perf_counter() - start)
+    c.load(sys.argv[3], sys.argv[4], device=sys.argv[2], wait=True)
+seconds = time.perf_counter() - start
+print(json.dumps({"seconds": seconds, "disk": disk + [open(stat).read()] if stat else []}))
 """
 
 
@@ -126,6 +142,30 @@ def drop_caches() -> bool:
         return True
     except OSError:
         return False
+
+
+def disk_stat_file(path: Path) -> str | None:
+    """The sysfs counters file of the block device holding `path` (Documentation/block/stat.rst)."""
+    st = path.stat()
+    stat = f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/stat"
+    return stat if os.path.exists(stat) else None
+
+
+def disk_stats(path: Path) -> str | None:
+    stat = disk_stat_file(path)
+    return Path(stat).read_text() if stat else None
+
+
+def disk_delta(before: str | None, after: str | None, seconds: float) -> dict[str, float]:
+    """Reads, merges, mean request size and busy time between two readings of the disk's counters."""
+    if not before or not after:
+        return {}
+    d = [int(b) - int(a) for a, b in zip(before.split(), after.split())]
+    reads, merges, sectors, read_ms, busy_ms = d[0], d[1], d[2], d[3], d[9]
+    return {"reads": reads, "merges": merges, "MB": round(sectors * 512 / 1e6, 1),
+            "KiB_per_read": round(sectors / 2 / reads, 1) if reads else 0.0,
+            "busy_s": busy_ms / 1e3, "busy_of_wall": round(busy_ms / 1e3 / seconds, 3) if seconds else 0.0,
+            "mean_queue": round(read_ms / 1e3 / seconds, 2) if seconds else 0.0}
 
 
 def warm(files: list[Path]) -> None:
@@ -203,7 +243,7 @@ def pinned_h2d(device: str) -> float:
 
 
 class Daemon:
-    def __init__(self, root: Path, device: str, cold_reads: str = "buffered") -> None:
+    def __init__(self, root: Path, device: str, cold_reads: str = "buffered", cold_read_bytes: int = 0) -> None:
         root.mkdir(exist_ok=True)
         self.socket = root / "wcd.sock"
         config = root / "wcd.toml"
@@ -211,23 +251,28 @@ class Daemon:
         extra = os.environ.get("BENCH_DAEMON_CONFIG", "").replace(";", "\n")  # e.g. "load_workers = 4"
         config.write_text(f'[daemon]\nsocket = "{self.socket}"\nbudget = {{ "{device}" = {budget} }}\n'
                           f'cold_reads = "{cold_reads}"\n{extra}\n')
+        self.last_disk: list[str] = []  # the disk's counters as the last load's clock started and stopped
         self.log = open(root / "daemon.log", "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "wcd", "serve", "--config", str(config),
+        # `cold_read_bytes` (an experiment, no config knob): the CUDA writer's read size for cold files.
+        start = ["-m", "wcd"] if not cold_read_bytes else [
+            "-c", "import sys, wcd.arenas.cuda as c; c.COLD_READ_BYTES = int(sys.argv[1]); "
+                  "from wcd.cli.wcd import main; sys.exit(main(sys.argv[2:]))", str(cold_read_bytes)]
+        self.proc = subprocess.Popen([sys.executable, *start, "serve", "--config", str(config),
                                       "--log-level", os.environ.get("BENCH_DAEMON_LOG_LEVEL", "info")],
                                      stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
         connect(self.socket, wait_s=60, while_alive=lambda: self.proc.poll() is None, heartbeats=False).close()
 
     def load(self, path: Path, device: str, name: str, verify: dict[str, object] | None = None) -> float:
         """Seconds of one `load` op; with `verify`, also times a `verify` op of the entry into it."""
-        # Like the peers: a fresh process whose clock covers importing the client, connecting and
-        # the op, which is what `wcdctl load` or an engine asking for a load pays.
-        r = subprocess.run([sys.executable, "-c", _WCD_LOAD, str(self.socket), name, str(path), device],
+        # Like the peers: a fresh process with torch up before its clock (`_ENGINE`).
+        r = subprocess.run([sys.executable, "-c", _WCD_LOAD, str(self.socket), device, name, str(path)],
                            capture_output=True, text=True, timeout=3600, cwd=ROOT,
-                           env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                               p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)})
+                           env={**os.environ, "BENCH_DISK_STAT": disk_stat_file(path) or "", "PYTHONPATH":
+                                os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)})
         if r.returncode != 0:
             raise RuntimeError(f"wcd load failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
-        seconds = float(r.stdout.strip().splitlines()[-1])
+        got = json.loads(r.stdout.strip().splitlines()[-1])
+        seconds, self.last_disk = float(got["seconds"]), got["disk"]
         with Client(self.socket, heartbeats=False, timeout=3600) as c:
             if verify is not None:
                 start = time.perf_counter()
@@ -244,7 +289,7 @@ class Daemon:
 
 def peer(loader: str, device: str, files: list[Path]) -> dict[str, object]:
     r = subprocess.run([sys.executable, "-c", _PEER, loader, device, *map(str, files)], capture_output=True,
-                       text=True, timeout=600)
+                       text=True, timeout=600, env={**os.environ, "BENCH_DISK_STAT": disk_stat_file(files[0]) or ""})
     if r.returncode != 0:
         last = (r.stderr.strip().splitlines() or ["failed"])[-1]
         return {"error": last[:300]}
@@ -261,6 +306,8 @@ def main() -> int:
     ap.add_argument("--cold", action="store_true", help="also with the page cache dropped (root)")
     ap.add_argument("--cold-reps", type=int, default=1,
                     help="cold rounds, the loaders' order rotated each round (best and median reported)")
+    ap.add_argument("--settle", type=float, default=0.0,
+                    help="seconds to wait after each drop, before each cold load (every loader alike)")
     ap.add_argument("--reps", type=int, default=2, help="warm repetitions (best is reported)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--daemon-log", type=Path, help="copy the daemon's log here at the end")
@@ -274,9 +321,14 @@ def main() -> int:
                                  "device": args.device, "runs": []}
     runs: list[dict[str, object]] = result["runs"]  # type: ignore[assignment]
     with tempfile.TemporaryDirectory() as tmp:
-        # "wcd" reads cold files through the page cache (the default); "wcd-direct" with O_DIRECT.
-        daemons = {name: Daemon(Path(tmp) / name, args.device, cold_reads)
-                   for name, cold_reads in (("wcd", "buffered"), ("wcd-direct", "direct")) if name in loaders}
+        # "wcd" reads cold files through the page cache (the default); "wcd-direct" with O_DIRECT;
+        # "wcd-sweep" and "wcd-direct-sweep" the same in BENCH_SWEEP_BYTES reads (default 4 MiB,
+        # the least: a lane's warm buffers), not 16 MiB.
+        sweep = int(os.environ.get("BENCH_SWEEP_BYTES", 4 << 20))
+        variants = {"wcd": ("buffered", 0), "wcd-direct": ("direct", 0), "wcd-sweep": ("buffered", sweep),
+                    "wcd-direct-sweep": ("direct", sweep)}
+        daemons = {name: Daemon(Path(tmp) / name, args.device, *variant)
+                   for name, variant in variants.items() if name in loaders}
         try:
             for gb, tensors in specs:
                 d = args.dir / f"{gb:g}gb-{tensors}"
@@ -324,10 +376,13 @@ def main() -> int:
                         if isinstance(row.get(loader), dict) and "error" in row[loader]:  # type: ignore[operator]
                             continue
                         prepare()
+                        if mode == "cold":
+                            time.sleep(args.settle)
                         if loader in daemons:
                             verify: dict[str, object] | None = \
                                 {} if loader == "wcd" and mode == "warm" and i == 0 else None
                             times[loader].append(daemons[loader].load(d, args.device, f"b{len(runs)}-{i}", verify))
+                            disk_seen = daemons[loader].last_disk
                             if verify:
                                 row["wcd_verify"] = {**verify, "GBps_each_side": nbytes / verify["seconds"] / 1e9}  # type: ignore[operator]
                         else:
@@ -336,9 +391,12 @@ def main() -> int:
                                 row[loader] = got
                                 continue
                             times[loader].append(float(got["seconds"]))  # type: ignore[arg-type]
-                        if mode == "cold":
+                            disk_seen = got.get("disk") or []  # type: ignore[assignment]
+                        if mode == "cold":  # what the disk saw while the load's clock ran
+                            disk = disk_delta(*(disk_seen or [None, None])[:2], times[loader][-1])
+                            row.setdefault("disk", []).append({"loader": loader, "round": i, **disk})  # type: ignore[union-attr]
                             print(json.dumps({"mode": mode, "round": i, "loader": loader,
-                                              "seconds": round(times[loader][-1], 3)}), flush=True)
+                                              "seconds": round(times[loader][-1], 3), "disk": disk}), flush=True)
                     for loader in loaders:
                         got_times = times[loader]
                         if got_times:  # first: the first load of this run (for wcd: before staging lingers)

@@ -26,6 +26,14 @@
 #                                     restart A/B against oldtree/
 #   bash bench/device_run.sh round6   GPU tests; the helpers A/B three times; restart with a 100k entry kept
 #   bash bench/device_run.sh verify   GPU tests; verify/digest passes at 1k and 100k tensors, 16/8/4/2 threads
+#   bash bench/device_run.sh idle9    does the disk read faster after an idle spell? (disk_idle, O_DIRECT and
+#                                     buffered); 1.6 GB cold, wcd and fastsafetensors, settled 0 s and 8 s; host cold
+#   bash bench/device_run.sh cold9    1.6 GB / 1k cold, wcd and fastsafetensors, each process with torch and CUDA up
+#                                     before its clock; six rounds rotated, settled 0 s and 8 s after each drop
+#   bash bench/device_run.sh sweep9   1.6 GB / 1k cold: read patterns (16 MiB and 4 MiB buffered, 512 KiB and 4 MiB
+#                                     O_DIRECT), then wcd in 16 and 4 MiB reads (buffered, direct) and fastsafetensors
+#   bash bench/device_run.sh table9   GPU tests; the 1.6 GB table (1k and 100k tensors, five loaders, warm and cold),
+#                                     every loader's process with torch and CUDA up before its clock
 #   bash bench/device_run.sh round8d  GPU tests; trace_admit with 8 and 12 helpers; loads A/B against oldtree/
 #   bash bench/device_run.sh cold8    1.6 GB cold, four loaders, three rounds in rotated order
 #   bash bench/device_run.sh table8   the 1.6 GB table (1k and 100k tensors, five loaders, warm and cold)
@@ -86,6 +94,41 @@ round7_ab() {  # GPU tests, bench_admit with 8 helpers, then 1.6 GB 1k/100k warm
   grep -hE "admitting b1|filled from .*100000" "$OUT"/logs/daemon-new-*.log | cut -c1-200
 }
 case "${1:-tests}" in
+  sweep9)
+    timeout 120 python3 bench/disk_idle.py --ckpt 1.6:1000 --idle 0 --rounds 4 \
+      --patterns buffered:16:16M,buffered:16:4M,direct:16:512K,direct:16:4M --out "$OUT/sweep9-patterns.json" | cut -c1-300
+    BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT 300 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load \
+      --ckpt 1.6:1000 --cold --cold-reps 4 --reps 1 --loaders wcd,wcd-sweep,wcd-direct-sweep,fastsafetensors \
+      --out "$OUT/sweep9-loads.json" --daemon-log "$OUT/sweep9-daemon.log" 2>&1 | grep '"round"' | cut -c1-300 ;;
+  cold9)
+    for settle in 0 8; do
+      BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT 280 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load \
+        --ckpt 1.6:1000 --cold --cold-reps 6 --reps 1 --settle $settle --loaders wcd,fastsafetensors \
+        --out "$OUT/cold9-settle$settle.json" --daemon-log "$OUT/cold9-daemon-settle$settle.log" 2>&1 \
+        | grep '"round"' | cut -c1-330
+      grep -E "filled from" "$OUT/cold9-daemon-settle$settle.log" | cut -c1-200
+    done ;;
+  table9)
+    timeout 150 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
+      | grep -E "FAILED|ERROR|passed|failed" | cut -c1-300
+    BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT 420 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load \
+      --ckpt 1.6:1000 --ckpt 1.6:100000 --cold --reps 3 --loaders wcd,safetensors,fastsafetensors,instanttensor,runai \
+      --out "$OUT/load-table.json" --daemon-log "$OUT/daemon-table.log" 2>&1 | tee "$OUT/load-table.log" \
+      | grep -v '"wcd_verify"' | grep -v '^{"gb' | cut -c1-300
+    python3 bench/summarize_load.py "$OUT/load-table.json" | cut -c1-300
+    grep -E "admitting|filled from|answered" "$OUT"/daemon-table.log | cut -c1-220 ;;
+  idle9)
+    timeout 100 python3 bench/disk_idle.py --ckpt 1.6:1000 --idle 8,0,0,3,8,0 --out "$OUT/disk-idle-direct.json" | cut -c1-330
+    timeout 60 python3 bench/disk_idle.py --ckpt 1.6:1000 --idle 8,0,8,0 --buffered --out "$OUT/disk-idle-buffered.json" | cut -c1-330
+    for settle in 0 8; do
+      BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT 200 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load \
+        --ckpt 1.6:1000 --cold --cold-reps 4 --reps 1 --settle $settle --loaders wcd,fastsafetensors \
+        --out "$OUT/load-settle$settle.json" --daemon-log "$OUT/daemon-settle$settle.log" 2>&1 | grep '"round"' | cut -c1-330
+      grep -E "filled from" "$OUT/daemon-settle$settle.log" | cut -c1-200
+    done
+    BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT 100 python3 bench/bench_load.py --device cpu --dir /tmp/wcd-bench-load \
+      --ckpt 1.6:1000 --cold --cold-reps 2 --reps 1 --loaders wcd,safetensors --out "$OUT/load-host-cold.json" \
+      --daemon-log "$OUT/daemon-host-cold.log" 2>&1 | grep '"round"\|plain_memfd' | cut -c1-330 ;;
   tests)
     timeout 300 python3 -m pytest tests/gpu -v -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
       | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" | cut -c1-300

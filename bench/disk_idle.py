@@ -1,0 +1,118 @@
+"""Does the disk read faster after an idle spell? (issue 14 item 2: the cold gap to fastsafetensors)
+
+A VM's block device can be rate-limited by a token bucket (Firecracker's has a size, a refill time
+and a one-time burst): after an idle spell the bucket is full and the first reads go faster. The
+peers' clocks in `bench_load --cold` start after seconds of torch import and CUDA start, wcd's a few
+ms after the page cache is dropped, so such a bucket would favour the peers.
+
+Per trial: drop the page cache, wait `idle` seconds, read the files whole (O_DIRECT, `readers`
+threads x `block` bytes, as `bench_load.direct_read`), timing each read's completion. Prints GB/s
+overall, over the first quarter of the bytes and over the last half, and the disk's counters.
+
+With `--patterns`, the same for several read patterns (MODE:READERS:BLOCK, MODE `direct` or
+`buffered`, BLOCK in K or M), the order rotated each of `--rounds` rounds, after the first idle:
+
+    python bench/disk_idle.py --ckpt 1.6:1000 --idle 8,0,0,2,8,0 --out disk-idle.json
+    python bench/disk_idle.py --ckpt 1.6:1000 --idle 0 --rounds 4 --patterns buffered:16:16M,direct:16:512K
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_load import disk_delta, disk_stats, drop_caches, write_checkpoint  # noqa: E402
+
+
+def timed_read(files: list[Path], readers: int, block: int, direct: bool) -> list[tuple[float, int]]:
+    """(seconds since the start, bytes) of each read as it completes, in completion order."""
+    flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
+    fds = [os.open(f, flags) for f in files]
+    jobs = [(fd, pos) for fd in fds for pos in range(0, os.fstat(fd).st_size // block * block, block)]
+    local = threading.local()
+    done: list[tuple[float, int]] = []
+    lock = threading.Lock()
+    start = time.perf_counter()
+
+    def one(job: tuple[int, int]) -> None:
+        fd, pos = job
+        if getattr(local, "buf", None) is None:
+            local.buf = mmap.mmap(-1, block)
+        n = os.preadv(fd, [local.buf], pos)
+        with lock:
+            done.append((time.perf_counter() - start, n))
+
+    try:
+        with ThreadPoolExecutor(readers) as pool:
+            list(pool.map(one, jobs))
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return done
+
+
+def rates(done: list[tuple[float, int]]) -> dict[str, float]:
+    """GB/s overall, over the first quarter of the bytes, and over the last half."""
+    total = sum(n for _, n in done)
+    acc, quarter_t, half_t = 0, 0.0, 0.0
+    for t, n in done:
+        acc += n
+        if not quarter_t and acc >= total / 4:
+            quarter_t = t
+        if not half_t and acc >= total / 2:
+            half_t = t
+    end = done[-1][0]
+    return {"GBps": round(total / end / 1e9, 3), "first_quarter_GBps": round(total / 4 / quarter_t / 1e9, 3),
+            "last_half_GBps": round(total / 2 / (end - half_t) / 1e9, 3), "seconds": round(end, 3)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "wcd-bench-load")
+    ap.add_argument("--ckpt", default="1.6:1000", help="GB:TENSORS")
+    ap.add_argument("--idle", default="8,0,0,2,8,0", help="seconds idle before each trial, comma-separated")
+    ap.add_argument("--readers", type=int, default=16)
+    ap.add_argument("--block-mib", type=int, default=16)
+    ap.add_argument("--buffered", action="store_true", help="buffered reads instead of O_DIRECT")
+    ap.add_argument("--patterns", help="MODE:READERS:BLOCK,... (e.g. buffered:16:16M,direct:16:512K)")
+    ap.add_argument("--rounds", type=int, default=1, help="rounds over --patterns, order rotated")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    if not drop_caches():
+        sys.exit("disk_idle: cannot drop the page cache (run as root)")
+    gb, tensors = args.ckpt.split(":")
+    files = write_checkpoint(args.dir / f"{gb}gb-{tensors}", int(float(gb) * 1e9), int(tensors), 4)
+    default = f"{'buffered' if args.buffered else 'direct'}:{args.readers}:{args.block_mib}M"
+    patterns = (args.patterns or default).split(",")
+    idles = [float(x) for x in args.idle.split(",")]
+    trials = []
+    for r in range(args.rounds):
+        for k, idle in enumerate(idles):
+            for pattern in patterns[r % len(patterns):] + patterns[: r % len(patterns)]:
+                mode, readers, block = pattern.split(":")
+                nbytes = int(block[:-1]) << {"K": 10, "M": 20}[block[-1]]
+                drop_caches()
+                time.sleep(idle)
+                before = disk_stats(files[0])
+                done = timed_read(files, int(readers), nbytes, mode == "direct")
+                row = {"round": r, "pattern": pattern, "idle_s": idle, **rates(done),
+                       "disk": disk_delta(before, disk_stats(files[0]), done[-1][0])}
+                trials.append(row)
+                print(json.dumps(row), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps({"trials": trials}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
