@@ -30,7 +30,7 @@
 #                                     buffered); 1.6 GB cold, wcd and fastsafetensors, settled 0 s and 8 s; host cold
 #   bash bench/device_run.sh cold9    1.6 GB / 1k cold, wcd and fastsafetensors, each process with torch and CUDA up
 #                                     before its clock; six rounds rotated, settled 0 s and 8 s after each drop
-#   bash bench/device_run.sh sweep9   1.6 GB / 1k cold: read patterns (16 MiB and 4 MiB buffered, 512 KiB and 4 MiB
+#   bash bench/device_run.sh sweep9   GPU tests; 1.6 GB / 1k cold: read patterns (16 MiB and 4 MiB buffered, 512 KiB and 4 MiB
 #                                     O_DIRECT), then wcd in 16 and 4 MiB reads (buffered, direct) and fastsafetensors
 #   bash bench/device_run.sh table9   GPU tests; the 1.6 GB table (1k and 100k tensors, five loaders, warm and cold),
 #                                     every loader's process with torch and CUDA up before its clock
@@ -95,6 +95,8 @@ round7_ab() {  # GPU tests, bench_admit with 8 helpers, then 1.6 GB 1k/100k warm
 }
 case "${1:-tests}" in
   sweep9)
+    timeout 150 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
+      | grep -E "FAILED|ERROR|passed|failed" | cut -c1-300
     timeout 120 python3 bench/disk_idle.py --ckpt 1.6:1000 --idle 0 --rounds 4 \
       --patterns buffered:16:16M,buffered:16:4M,direct:16:512K,direct:16:4M --out "$OUT/sweep9-patterns.json" | cut -c1-300
     BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT 300 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load \
