@@ -243,7 +243,8 @@ def pinned_h2d(device: str) -> float:
 
 
 class Daemon:
-    def __init__(self, root: Path, device: str, cold_reads: str = "buffered", cold_read_bytes: int = 0) -> None:
+    def __init__(self, root: Path, device: str, cold_reads: str = "buffered",
+                 sets: dict[str, int] | None = None) -> None:
         root.mkdir(exist_ok=True)
         self.socket = root / "wcd.sock"
         config = root / "wcd.toml"
@@ -253,10 +254,13 @@ class Daemon:
                           f'cold_reads = "{cold_reads}"\n{extra}\n')
         self.last_disk: list[str] = []  # the disk's counters as the last load's clock started and stopped
         self.log = open(root / "daemon.log", "wb")
-        # `cold_read_bytes` (an experiment, no config knob): the CUDA writer's read size for cold files.
-        start = ["-m", "wcd"] if not cold_read_bytes else [
-            "-c", "import sys, wcd.arenas.cuda as c; c.COLD_READ_BYTES = int(sys.argv[1]); "
-                  "from wcd.cli.wcd import main; sys.exit(main(sys.argv[2:]))", str(cold_read_bytes)]
+        # `sets` (experiments, no config knobs): module constants set before the daemon starts,
+        # e.g. {"wcd.arenas.cuda.COLD_READ_BYTES": 4 << 20}.
+        start = ["-m", "wcd"] if not sets else [
+            "-c", "import importlib, json, sys\n"
+                  "for k, v in json.loads(sys.argv[1]).items():\n"
+                  "    m, _, a = k.rpartition('.'); setattr(importlib.import_module(m), a, v)\n"
+                  "from wcd.cli.wcd import main; sys.exit(main(sys.argv[2:]))", json.dumps(sets)]
         self.proc = subprocess.Popen([sys.executable, *start, "serve", "--config", str(config),
                                       "--log-level", os.environ.get("BENCH_DAEMON_LOG_LEVEL", "info")],
                                      stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -323,10 +327,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         # "wcd" reads cold files through the page cache (the default); "wcd-direct" with O_DIRECT;
         # "wcd-sweep" and "wcd-direct-sweep" the same in BENCH_SWEEP_BYTES reads (default 4 MiB,
-        # the least: a lane's warm buffers), not 16 MiB.
-        sweep = int(os.environ.get("BENCH_SWEEP_BYTES", 4 << 20))
-        variants = {"wcd": ("buffered", 0), "wcd-direct": ("direct", 0), "wcd-sweep": ("buffered", sweep),
-                    "wcd-direct-sweep": ("direct", sweep)}
+        # the least: a lane's warm buffers), not 16 MiB; "wcd-noahead" reads nothing ahead while
+        # its writer is being made (`loader.READ_AHEAD_BYTES` = 0).
+        sweep = {"wcd.arenas.cuda.COLD_READ_BYTES": int(os.environ.get("BENCH_SWEEP_BYTES", 4 << 20))}
+        variants: dict[str, tuple[str, dict[str, int]]] = {
+            "wcd": ("buffered", {}), "wcd-direct": ("direct", {}), "wcd-sweep": ("buffered", sweep),
+            "wcd-direct-sweep": ("direct", sweep), "wcd-noahead": ("buffered", {"wcd.loader.READ_AHEAD_BYTES": 0})}
         daemons = {name: Daemon(Path(tmp) / name, args.device, *variant)
                    for name, variant in variants.items() if name in loaders}
         try:

@@ -97,7 +97,7 @@ def main() -> int:
     idles = [float(x) for x in args.idle.split(",")]
     trials = []
     for r in range(args.rounds):
-        for k, idle in enumerate(idles):
+        for idle in idles:
             for pattern in patterns[r % len(patterns):] + patterns[: r % len(patterns)]:
                 mode, readers, block = pattern.split(":")
                 nbytes = int(block[:-1]) << {"K": 10, "M": 20}[block[-1]]
