@@ -9,8 +9,9 @@ Per trial: drop the page cache, wait `idle` seconds, read the files whole (O_DIR
 threads x `block` bytes, as `bench_load.direct_read`), timing each read's completion. Prints GB/s
 overall, over the first quarter of the bytes and over the last half, and the disk's counters.
 
-With `--patterns`, the same for several read patterns (MODE:READERS:BLOCK, MODE `direct` or
-`buffered`, BLOCK in K or M), the order rotated each of `--rounds` rounds, after the first idle:
+With `--patterns`, the same for several read patterns (MODE:READERS:BLOCK[:streams], MODE `direct`
+or `buffered`, BLOCK in K or M; `streams`: each reader its own contiguous slice, front to back),
+the order rotated each of `--rounds` rounds, after each idle:
 
     python bench/disk_idle.py --ckpt 1.6:1000 --idle 8,0,0,2,8,0 --out disk-idle.json
     python bench/disk_idle.py --ckpt 1.6:1000 --idle 0 --rounds 4 --patterns buffered:16:16M,direct:16:512K
@@ -34,11 +35,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_load import disk_delta, disk_stats, drop_caches, write_checkpoint  # noqa: E402
 
 
-def timed_read(files: list[Path], readers: int, block: int, direct: bool) -> list[tuple[float, int]]:
-    """(seconds since the start, bytes) of each read as it completes, in completion order."""
+def timed_read(files: list[Path], readers: int, block: int, direct: bool,
+               streams: bool = False) -> list[tuple[float, int]]:
+    """(seconds since the start, bytes) of each read as it completes, in completion order. The
+    readers take the next block in file order (a sweep `readers` blocks wide), or with `streams`
+    each reads its own contiguous `1/readers` of the blocks front to back, one read at a time."""
     flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
     fds = [os.open(f, flags) for f in files]
     jobs = [(fd, pos) for fd in fds for pos in range(0, os.fstat(fd).st_size // block * block, block)]
+    if streams:  # reader i's slice, then reader i+1's: a pool of `readers` threads runs one each
+        share = -(-len(jobs) // readers)
+        slices = [jobs[i : i + share] for i in range(0, len(jobs), share)]
+        jobs = []
+        for k in range(share):
+            jobs += [s[k] for s in slices if k < len(s)]
+        readers = len(slices)
     local = threading.local()
     done: list[tuple[float, int]] = []
     lock = threading.Lock()
@@ -99,12 +110,12 @@ def main() -> int:
     for r in range(args.rounds):
         for idle in idles:
             for pattern in patterns[r % len(patterns):] + patterns[: r % len(patterns)]:
-                mode, readers, block = pattern.split(":")
+                mode, readers, block, *layout = pattern.split(":")
                 nbytes = int(block[:-1]) << {"K": 10, "M": 20}[block[-1]]
                 drop_caches()
                 time.sleep(idle)
                 before = disk_stats(files[0])
-                done = timed_read(files, int(readers), nbytes, mode == "direct")
+                done = timed_read(files, int(readers), nbytes, mode == "direct", layout == ["streams"])
                 row = {"round": r, "pattern": pattern, "idle_s": idle, **rates(done),
                        "disk": disk_delta(before, disk_stats(files[0]), done[-1][0])}
                 trials.append(row)
