@@ -106,10 +106,10 @@ def _libc() -> ctypes.CDLL:
     return libc
 
 
-# Tensor bytes of a checkpoint that `fill_arena(read_ahead=True)` asks the kernel to read ahead
-# while the writer is being made: a GPU writer with no context lingering waits ~0.1 s for it and
-# its pinned staging (0.096-0.114 s on the H200 machines), the disk idle meanwhile; at the ~1.8
-# GB/s of those machines' disk that is ~180 MB, and the first ops read what came in.
+# Tensor bytes of a checkpoint that `fill_arena` asks the kernel to read ahead while the writer is
+# being made: a GPU writer with no context lingering waits for it and its pinned staging (0.096 to
+# 0.114 s on the H200 machines), with the disk idle; at the ~1.8 GB/s of those machines' disk that
+# is ~180 MB. Less than that, so that nothing read ahead waits behind the first ops' own reads.
 READ_AHEAD_BYTES = 128 << 20
 
 
