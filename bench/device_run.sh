@@ -99,14 +99,14 @@ case "${1:-tests}" in
   ahead9)
     timeout 150 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
       | grep -E "FAILED|ERROR|passed|failed" | cut -c1-300
-    timeout 100 python3 bench/disk_idle.py --ckpt 1.6:1000 --idle 0 --rounds 3 --out "$OUT/ahead9-patterns.json" \
+    timeout 100 python3 bench/disk_idle.py --ckpt 1.6:1000 --idle 0 --rounds 2 --out "$OUT/ahead9-patterns.json" \
       --patterns buffered:16:16M,direct:16:512K:streams,buffered:16:16M:streams,direct:16:512K | cut -c1-300
     BENCH_DAEMON_CONFIG="staging_linger_s = 0" BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT 280 python3 bench/bench_load.py \
       --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --cold --cold-reps 6 --reps 1 \
       --loaders wcd,wcd-noahead,fastsafetensors --out "$OUT/ahead9-linger0.json" --daemon-log "$OUT/ahead9-daemon.log" \
       2>&1 | grep '"round"' | cut -c1-200
     BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT 150 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load \
-      --ckpt 1.6:1000 --cold --cold-reps 4 --reps 1 --loaders wcd,fastsafetensors --out "$OUT/ahead9-linger.json" \
+      --ckpt 1.6:1000 --cold --cold-reps 3 --reps 1 --loaders wcd,fastsafetensors --out "$OUT/ahead9-linger.json" \
       --daemon-log "$OUT/ahead9-daemon-linger.log" 2>&1 | grep '"round"' | cut -c1-200
     grep -h "filled from" "$OUT"/ahead9-daemon*.log | cut -c1-200 ;;
   sweep9)
