@@ -28,8 +28,7 @@
 #   bash bench/device_run.sh verify   GPU tests; verify/digest passes at 1k and 100k tensors, 16/8/4/2 threads
 #   bash bench/device_run.sh idle9    does the disk read faster after an idle spell? (disk_idle, O_DIRECT and
 #                                     buffered); 1.6 GB cold, wcd and fastsafetensors, settled 0 s and 8 s; host cold
-#   bash bench/device_run.sh ahead9   GPU tests; read patterns (sweeps and streams); 1.6 GB / 1k cold with staging_linger_s = 0 (a context made per load):
-#                                     wcd, wcd without read-ahead, fastsafetensors, six rounds; then the default linger
+#   (ahead9, at 1cf38d8: read patterns as streams; the read-ahead A/B, since reverted; see RESULTS)
 #   bash bench/device_run.sh cold9    1.6 GB / 1k cold, wcd and fastsafetensors, each process with torch and CUDA up
 #                                     before its clock; six rounds rotated, settled 0 s and 8 s after each drop
 #   bash bench/device_run.sh sweep9   GPU tests; 1.6 GB / 1k cold: read patterns (16 MiB and 4 MiB buffered, 512 KiB and 4 MiB
@@ -96,19 +95,6 @@ round7_ab() {  # GPU tests, bench_admit with 8 helpers, then 1.6 GB 1k/100k warm
   grep -hE "admitting b1|filled from .*100000" "$OUT"/logs/daemon-new-*.log | cut -c1-200
 }
 case "${1:-tests}" in
-  ahead9)
-    timeout 150 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
-      | grep -E "FAILED|ERROR|passed|failed" | cut -c1-300
-    timeout 100 python3 bench/disk_idle.py --ckpt 1.6:1000 --idle 0 --rounds 2 --out "$OUT/ahead9-patterns.json" \
-      --patterns buffered:16:16M,direct:16:512K:streams,buffered:16:16M:streams,direct:16:512K | cut -c1-300
-    BENCH_DAEMON_CONFIG="staging_linger_s = 0" BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT 280 python3 bench/bench_load.py \
-      --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --cold --cold-reps 6 --reps 1 \
-      --loaders wcd,wcd-noahead,fastsafetensors --out "$OUT/ahead9-linger0.json" --daemon-log "$OUT/ahead9-daemon.log" \
-      2>&1 | grep '"round"' | cut -c1-200
-    BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT 150 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load \
-      --ckpt 1.6:1000 --cold --cold-reps 3 --reps 1 --loaders wcd,fastsafetensors --out "$OUT/ahead9-linger.json" \
-      --daemon-log "$OUT/ahead9-daemon-linger.log" 2>&1 | grep '"round"' | cut -c1-200
-    grep -h "filled from" "$OUT"/ahead9-daemon*.log | cut -c1-200 ;;
   sweep9)
     timeout 150 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
       | grep -E "FAILED|ERROR|passed|failed" | cut -c1-300

@@ -36,15 +36,7 @@ from wcd.errors import BadRequest, Busy, DeviceUnavailable, LoadFailed, NotFound
 from wcd.header_helpers import HeaderHelpers
 from wcd.header_helpers import default_count as default_helpers
 from wcd.key import HOST_DEVICE, WeightCacheKey, fingerprint_unparsed, first_fingerprint
-from wcd.loader import (
-    READ_AHEAD_BYTES,
-    Cancelled,
-    content_digest,
-    default_workers,
-    digest_arena,
-    fill_arena,
-    verify_arena,
-)
+from wcd.loader import Cancelled, content_digest, default_workers, digest_arena, fill_arena, verify_arena
 from wcd.manifest import Manifest
 from wcd.metrics import Metrics
 from wcd.state import ServerState
@@ -277,13 +269,10 @@ class Residency:
         started = time.monotonic()
         workers = self.state.config.daemon.load_workers or default_workers()
 
-        # Cold files read with O_DIRECT bypass the page cache: reading ahead into it would read twice.
-        ahead = 0 if self.state.config.daemon.cold_reads == "direct" else READ_AHEAD_BYTES
-
         def fill(arena: Arena) -> None:
             # The plan walks every tensor (a while for 10^5): in the worker, not on the loop.
             fill_arena(arena, ckpt, manifest, _EntryProgress(entry),
-                       lambda: entry.state == "evicting", workers, entry.key.fingerprint, ahead)
+                       lambda: entry.state == "evicting", workers, entry.key.fingerprint)
             arena.seal()
 
         try:
