@@ -1,9 +1,10 @@
 """Does the disk read faster after an idle spell? (issue 14 item 2: the cold gap to fastsafetensors)
 
 A VM's block device can be rate-limited by a token bucket (Firecracker's has a size, a refill time
-and a one-time burst): after an idle spell the bucket is full and the first reads go faster. The
-peers' clocks in `bench_load --cold` start after seconds of torch import and CUDA start, wcd's a few
-ms after the page cache is dropped, so such a bucket would favour the peers.
+and a one-time burst): after an idle spell the bucket is full and the first reads go faster. Until
+2026-12-03 the peers' clocks in `bench_load --cold` started after seconds of torch import and CUDA
+start, wcd's a few ms after the page cache was dropped, so such a bucket would have favoured the
+peers (on the H200 VMs a spell helped on average, not every time: RESULTS, ninth round).
 
 Per trial: drop the page cache, wait `idle` seconds, read the files whole (O_DIRECT, `readers`
 threads x `block` bytes, as `bench_load.direct_read`), timing each read's completion. Prints GB/s
