@@ -28,6 +28,7 @@
 #   bash bench/device_run.sh verify   GPU tests; verify/digest passes at 1k and 100k tensors, 16/8/4/2 threads
 #   bash bench/device_run.sh idle9    does the disk read faster after an idle spell? (disk_idle, O_DIRECT and
 #                                     buffered); 1.6 GB cold, wcd and fastsafetensors, settled 0 s and 8 s; host cold
+#                                     (its RESULTS row ran before every loader's clock started alike: af1ac32)
 #   (ahead9, at 1cf38d8: read patterns as streams; the read-ahead A/B, since reverted; see RESULTS)
 #   bash bench/device_run.sh cold9    1.6 GB / 1k cold, wcd and fastsafetensors, each process with torch and CUDA up
 #                                     before its clock; six rounds rotated, settled 0 s and 8 s after each drop
@@ -94,26 +95,31 @@ round7_ab() {  # GPU tests, bench_admit with 8 helpers, then 1.6 GB 1k/100k warm
   done; done
   grep -hE "admitting b1|filled from .*100000" "$OUT"/logs/daemon-new-*.log | cut -c1-200
 }
+gpu_tests() {  # the GPU tests, their log in $OUT
+  timeout 150 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
+    | grep -E "FAILED|ERROR|passed|failed" | cut -c1-300
+}
+cold_settled() {  # ROUNDS TIMEOUT PREFIX: 1.6 GB / 1k cold, wcd and fastsafetensors, settled 0 s and 8 s after each drop
+  for settle in 0 8; do
+    BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT "$2" python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load \
+      --ckpt 1.6:1000 --cold --cold-reps "$1" --reps 1 --settle $settle --loaders wcd,fastsafetensors \
+      --out "$OUT/${3}load-settle$settle.json" --daemon-log "$OUT/${3}daemon-settle$settle.log" 2>&1 \
+      | grep '"round"' | cut -c1-330
+    grep -E "filled from" "$OUT/${3}daemon-settle$settle.log" | cut -c1-200
+  done
+}
 case "${1:-tests}" in
   sweep9)
-    timeout 150 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
-      | grep -E "FAILED|ERROR|passed|failed" | cut -c1-300
+    gpu_tests
     timeout 120 python3 bench/disk_idle.py --ckpt 1.6:1000 --idle 0 --rounds 4 \
       --patterns buffered:16:16M,buffered:16:4M,direct:16:512K,direct:16:4M --out "$OUT/sweep9-patterns.json" | cut -c1-300
     BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT 300 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load \
       --ckpt 1.6:1000 --cold --cold-reps 4 --reps 1 --loaders wcd,wcd-sweep,wcd-direct-sweep,fastsafetensors \
       --out "$OUT/sweep9-loads.json" --daemon-log "$OUT/sweep9-daemon.log" 2>&1 | grep '"round"' | cut -c1-300 ;;
   cold9)
-    for settle in 0 8; do
-      BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT 280 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load \
-        --ckpt 1.6:1000 --cold --cold-reps 6 --reps 1 --settle $settle --loaders wcd,fastsafetensors \
-        --out "$OUT/cold9-settle$settle.json" --daemon-log "$OUT/cold9-daemon-settle$settle.log" 2>&1 \
-        | grep '"round"' | cut -c1-330
-      grep -E "filled from" "$OUT/cold9-daemon-settle$settle.log" | cut -c1-200
-    done ;;
+    cold_settled 6 280 cold9- ;;
   table9)
-    timeout 150 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
-      | grep -E "FAILED|ERROR|passed|failed" | cut -c1-300
+    gpu_tests
     BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT 420 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load \
       --ckpt 1.6:1000 --ckpt 1.6:100000 --cold --reps 3 --loaders wcd,safetensors,fastsafetensors,instanttensor,runai \
       --out "$OUT/load-table.json" --daemon-log "$OUT/daemon-table.log" 2>&1 | tee "$OUT/load-table.log" \
@@ -123,12 +129,7 @@ case "${1:-tests}" in
   idle9)
     timeout 100 python3 bench/disk_idle.py --ckpt 1.6:1000 --idle 8,0,0,3,8,0 --out "$OUT/disk-idle-direct.json" | cut -c1-330
     timeout 60 python3 bench/disk_idle.py --ckpt 1.6:1000 --idle 8,0,8,0 --buffered --out "$OUT/disk-idle-buffered.json" | cut -c1-330
-    for settle in 0 8; do
-      BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT 200 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load \
-        --ckpt 1.6:1000 --cold --cold-reps 4 --reps 1 --settle $settle --loaders wcd,fastsafetensors \
-        --out "$OUT/load-settle$settle.json" --daemon-log "$OUT/daemon-settle$settle.log" 2>&1 | grep '"round"' | cut -c1-330
-      grep -E "filled from" "$OUT/daemon-settle$settle.log" | cut -c1-200
-    done
+    cold_settled 4 200 ""
     BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT 100 python3 bench/bench_load.py --device cpu --dir /tmp/wcd-bench-load \
       --ckpt 1.6:1000 --cold --cold-reps 2 --reps 1 --loaders wcd,safetensors --out "$OUT/load-host-cold.json" \
       --daemon-log "$OUT/daemon-host-cold.log" 2>&1 | grep '"round"\|plain_memfd' | cut -c1-330 ;;
