@@ -327,11 +327,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         # "wcd" reads cold files through the page cache (the default); "wcd-direct" with O_DIRECT;
         # "wcd-sweep" and "wcd-direct-sweep" the same in BENCH_SWEEP_BYTES reads (default 4 MiB,
-        # the least: a lane's warm buffers), not 16 MiB.
+        # the least: a lane's warm buffers), not 16 MiB; "wcd-noahead" reads nothing ahead while
+        # its writer is being made (`loader.READ_AHEAD_BYTES` = 0).
         sweep = {"wcd.arenas.cuda.COLD_READ_BYTES": int(os.environ.get("BENCH_SWEEP_BYTES", 4 << 20))}
         variants: dict[str, tuple[str, dict[str, int]]] = {
             "wcd": ("buffered", {}), "wcd-direct": ("direct", {}), "wcd-sweep": ("buffered", sweep),
-            "wcd-direct-sweep": ("direct", sweep)}
+            "wcd-direct-sweep": ("direct", sweep), "wcd-noahead": ("buffered", {"wcd.loader.READ_AHEAD_BYTES": 0})}
         daemons = {name: Daemon(Path(tmp) / name, args.device, *variant)
                    for name, variant in variants.items() if name in loaders}
         try:

@@ -1,11 +1,17 @@
-"""`cached_fraction`: how much of a file the page cache holds, the loader's warm/cold decision."""
+"""`cached_fraction`: how much of a file the page cache holds, the loader's warm/cold decision; and
+`read_ahead`, which asks for a cold checkpoint's first bytes while the writer is being made."""
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
-from wcd.loader import cached_fraction
+import pytest
+
+from wcd.arenas.host import HostArena
+from wcd.checkpoint import Checkpoint
+from wcd.loader import ADVICE_BYTES, Progress, cached_fraction, fill_arena, read_ahead
 
 
 def test_a_file_just_read_is_cached_and_one_dropped_is_not(tmp_path: Path) -> None:
@@ -50,3 +56,117 @@ def test_empty_and_tiny_files(tmp_path: Path) -> None:
             assert cached_fraction(fd) == 1.0
         finally:
             os.close(fd)
+
+
+def _shards(tmp_path: Path, sizes: list[int]) -> Path:
+    """A checkpoint of one uint8 tensor per shard, `sizes` bytes each."""
+    import torch
+    from safetensors.torch import save_file
+
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    for i, n in enumerate(sizes):
+        save_file({f"t{i}": torch.randint(0, 255, (n,), dtype=torch.uint8)}, str(d / f"m-{i}.safetensors"))
+    return d
+
+
+def test_read_ahead_asks_for_the_first_bytes_in_plan_order_and_skips_cached_shards(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[tuple[int, int, int]] = []  # (shard, offset, bytes)
+    with Checkpoint.open(_shards(tmp_path, [3000, 5000, 7000])) as ckpt:
+        shard = {fd: i for i, fd in enumerate(ckpt.fds)}
+        monkeypatch.setattr(os, "posix_fadvise", lambda fd, at, n, advice: asked.append((shard[fd], at, n))
+                            if advice == os.POSIX_FADV_WILLNEED else None)
+        starts = [h.data_start for h in ckpt.headers]
+        read_ahead(ckpt, [0.0, 1.0, 0.3], 3000 + 5000 + 1234)  # the second shard is all in the page cache
+        assert asked == [(0, starts[0], 3000), (2, starts[2], 1234)]
+        asked.clear()
+        read_ahead(ckpt, [0.0, 0.0, 0.0], 2000)  # less than the first shard holds
+        assert asked == [(0, starts[0], 2000)]
+        asked.clear()
+        read_ahead(ckpt, [1.0, 1.0, 1.0], 1 << 30)  # all cached: nothing to ask for
+        assert asked == []
+
+
+def test_read_ahead_asks_in_pieces_the_kernel_reads_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One WILLNEED reads at most one read-ahead window of what it asks for: 3 MiB are asked
+    for in ADVICE_BYTES pieces, back to back."""
+    asked: list[tuple[int, int]] = []
+    with Checkpoint.open(_shards(tmp_path, [5 << 20])) as ckpt:
+        monkeypatch.setattr(os, "posix_fadvise", lambda fd, at, n, advice: asked.append((at, n)))
+        read_ahead(ckpt, [0.0], (3 << 20) + 1000)
+        start = ckpt.headers[0].data_start
+    assert all(0 < n <= ADVICE_BYTES for _, n in asked)
+    assert [at for at, _ in asked] == [start + sum(n for _, n in asked[:i]) for i in range(len(asked))]
+    assert sum(n for _, n in asked) == (3 << 20) + 1000
+
+
+def test_read_ahead_brings_a_dropped_shard_back_into_the_page_cache(tmp_path: Path) -> None:
+    """64 MiB, more than the kernel reads for one WILLNEED (8 MiB on the CI VM): read whole."""
+    d = _shards(tmp_path, [64 << 20])
+    if _fs_type(d) in ("tmpfs", "ramfs"):
+        pytest.skip("tmpfs keeps every page: nothing is dropped to read back")
+    with Checkpoint.open(d) as ckpt:
+        fd = ckpt.fds[0]
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        dropped = cached_fraction(fd)
+        assert dropped < 0.1
+        read_ahead(ckpt, [dropped], 64 << 20)
+        deadline = time.monotonic() + 5
+        while cached_fraction(fd) < 0.9 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert cached_fraction(fd) >= 0.9
+
+
+def test_fill_arena_reads_ahead_beside_the_writer_and_joins_it_even_when_the_writer_fails(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import wcd.loader
+
+    events: list[str] = []
+
+    def slow_read_ahead(ckpt: Checkpoint, cached: list[float], nbytes: int) -> None:
+        events.append(f"ahead {nbytes} {cached}")
+        time.sleep(0.2)
+        events.append("ahead done")
+
+    class NoWriter:
+        def writer(self) -> None:
+            events.append("writer")
+            raise RuntimeError("no writer")
+
+    monkeypatch.setattr(wcd.loader, "read_ahead", slow_read_ahead)
+    monkeypatch.setattr(wcd.loader, "READ_AHEAD_BYTES", 1 << 20)
+    monkeypatch.setattr(wcd.loader, "cached_fraction", lambda fd: 0.0)
+    with Checkpoint.open(_shards(tmp_path, [4096])) as ckpt:
+        manifest = ckpt.manifest()
+        with pytest.raises(RuntimeError, match="no writer"):
+            fill_arena(NoWriter(), ckpt, manifest, Progress(ckpt.nbytes), reads_ahead=True)  # type: ignore[arg-type]
+        assert events[-1] == "ahead done"  # joined before fill_arena returned: the fds are the caller's to close
+        assert "ahead 1048576 [0.0]" in events and "writer" in events
+
+        events.clear()  # all of it in the page cache, or no read-ahead asked for: no thread at all
+        monkeypatch.setattr(wcd.loader, "cached_fraction", lambda fd: 1.0)
+        with pytest.raises(RuntimeError, match="no writer"):
+            fill_arena(NoWriter(), ckpt, manifest, Progress(ckpt.nbytes), reads_ahead=True)  # type: ignore[arg-type]
+        monkeypatch.setattr(wcd.loader, "cached_fraction", lambda fd: 0.0)
+        with pytest.raises(RuntimeError, match="no writer"):
+            fill_arena(NoWriter(), ckpt, manifest, Progress(ckpt.nbytes))  # type: ignore[arg-type]
+        assert events == ["writer", "writer"]
+
+
+def test_a_host_fill_with_read_ahead_lands_every_byte(tmp_path: Path) -> None:
+    with Checkpoint.open(_shards(tmp_path, [3 << 20, 1 << 20, 5000])) as ckpt:
+        for fd in ckpt.fds:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        manifest = ckpt.manifest()
+        arena = HostArena(manifest.size, "read-ahead-test")
+        try:
+            fill_arena(arena, ckpt, manifest, Progress(ckpt.nbytes), reads_ahead=True)
+            arena.seal()
+            for h, fd in zip(ckpt.headers, ckpt.fds):
+                for name, begin, size in zip(h.names, h.begins, h.sizes):
+                    at = manifest.offsets[manifest.names.index(name)]
+                    assert arena.read(at, size) == os.pread(fd, size, h.data_start + begin)
+        finally:
+            arena.close()
