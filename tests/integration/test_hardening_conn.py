@@ -97,11 +97,12 @@ def test_passed_sockets_with_linger_do_not_stall_the_loop(make_daemon, checkpoin
             s, server = lingering_socket(3)
             cleanup.enter_context(server)
             frame = wire.encode({"op": "ping", "id": 7}, 1)
-            # The fd travels with the frame's first byte; the attacker drops its own copy before
-            # the frame is complete, so the daemon's is the last reference.
+            # The fd travels with the frame's first byte and the attacker drops its own copy at
+            # once, before the daemon can have received it (let alone closed it): the daemon's is
+            # the last reference, and closing it waits out the linger unless SO_LINGER is undone.
             a.send(frame[:1], [s.fileno()])
-            time.sleep(0.2)
             s.close()
+            time.sleep(0.2)
             try:
                 a.send(frame[1:])
             except (BrokenPipeError, ConnectionResetError):
