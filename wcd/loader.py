@@ -106,10 +106,10 @@ def _libc() -> ctypes.CDLL:
     return libc
 
 
-# Tensor bytes of a checkpoint that `fill_arena` asks the kernel to read ahead while the writer is
-# being made: a GPU writer with no context lingering waits for it and its pinned staging (0.096 to
-# 0.114 s on the H200 machines), with the disk idle; at the ~1.8 GB/s of those machines' disk that
-# is ~180 MB. Less than that, so that nothing read ahead waits behind the first ops' own reads.
+# Tensor bytes of a checkpoint that `fill_arena` may ask the kernel to read ahead while the writer
+# is being made: a GPU writer with no context lingering waits for it and its pinned staging (0.096
+# to 0.124 s on the H200 machines) with the disk idle; at the ~1.8 GB/s of those machines' disk
+# that is ~180 MB. The reading ahead stops when the writer is ready, wherever it got to.
 READ_AHEAD_BYTES = 128 << 20
 # One POSIX_FADV_WILLNEED reads at most max(io_pages, ra_pages) of what it is asked for (the kernel
 # clamps it in force_page_cache_ra: 8 MiB on the CI VM, ~1 MiB on the H200's), so it is asked in
@@ -118,34 +118,42 @@ READ_AHEAD_BYTES = 128 << 20
 ADVICE_BYTES = 512 << 10
 
 
-def read_ahead(checkpoint: Checkpoint, cached: list[float], nbytes: int) -> None:
+def read_ahead(checkpoint: Checkpoint, cached: list[float], nbytes: int,
+               stop: threading.Event | None = None) -> None:
     """Ask the kernel to read the first `nbytes` of tensor data in plan order (shard after shard,
     each from its first tensor) into the page cache, skipping shards that `cached` (their
-    `cached_fraction`) says are there already. It queues the reads (ADVICE_BYTES per call) and
-    returns when they are queued (a hint: errors end it quietly)."""
+    `cached_fraction`) says are there already. It queues the reads, ADVICE_BYTES per call, until
+    all are queued or `stop` is set (a hint: an error ends it quietly)."""
     for h, fd, fraction in zip(checkpoint.headers, checkpoint.fds, cached):
         n = min(nbytes, h.file_size - h.data_start)
         if n <= 0:
             break
         if fraction < 1.0:
-            with contextlib.suppress(OSError):
-                for at in range(h.data_start, h.data_start + n, ADVICE_BYTES):
+            for at in range(h.data_start, h.data_start + n, ADVICE_BYTES):
+                if stop is not None and stop.is_set():
+                    return
+                try:
                     os.posix_fadvise(fd, at, min(ADVICE_BYTES, h.data_start + n - at), os.POSIX_FADV_WILLNEED)
+                except OSError:
+                    return
         nbytes -= n
 
 
 @contextlib.contextmanager
 def _reading_ahead(checkpoint: Checkpoint, cached: list[float], nbytes: int) -> Iterator[None]:
-    """`read_ahead` in a thread beside the block, where there is something to read ahead; joined
-    at the block's end (it reads through the checkpoint's descriptors, which the caller closes)."""
+    """`read_ahead` in a thread for as long as the block runs, where there is something to read
+    ahead; stopped and joined at the block's end (it reads through the checkpoint's descriptors,
+    which the caller closes)."""
     if not nbytes or min(cached, default=1.0) >= 1.0:
         yield
         return
-    thread = threading.Thread(target=read_ahead, args=(checkpoint, cached, nbytes), name="wcd-read-ahead")
+    stop = threading.Event()
+    thread = threading.Thread(target=read_ahead, args=(checkpoint, cached, nbytes, stop), name="wcd-read-ahead")
     thread.start()
     try:
         yield
     finally:
+        stop.set()
         thread.join()
 
 
@@ -158,8 +166,8 @@ def fill_arena(
     Call it from a thread, never the loop. `plan` is the ops, or the manifest to plan them from
     once the writer knows which files are in the page cache (it may read the others in larger
     pieces: `ArenaWriter.batch_bytes`). With `reads_ahead` (for writers that read through the
-    page cache), the first READ_AHEAD_BYTES of tensor data are asked for (`read_ahead`) in a
-    thread while the writer is being made.
+    page cache), files not all in the page cache are read ahead (`read_ahead`, up to
+    READ_AHEAD_BYTES) while the writer is being made, and no longer.
 
     Then fail (`LoadFailed`) if a shard was written meanwhile: its size or times changed since it
     was opened, or (given the fingerprint taken at admission) its sampled bytes differ now. Either
@@ -169,49 +177,49 @@ def fill_arena(
     cached = [cached_fraction(fd) for fd in checkpoint.fds]  # before this load reads tensor data
     with _reading_ahead(checkpoint, cached, READ_AHEAD_BYTES if reads_ahead else 0):
         writer = arena.writer()
+    times.append(time.perf_counter())
+    try:
+        for fd, fraction in zip(checkpoint.fds, cached):
+            writer.hint(fd, fraction)
+        ops = plan if not isinstance(plan, Manifest) else \
+            checkpoint.copy_plan(plan, batch=[writer.batch_bytes(fd) or BATCH_BYTES for fd in checkpoint.fds])
         times.append(time.perf_counter())
-        try:
-            for fd, fraction in zip(checkpoint.fds, cached):
-                writer.hint(fd, fraction)
-            ops = plan if not isinstance(plan, Manifest) else \
-                checkpoint.copy_plan(plan, batch=[writer.batch_bytes(fd) or BATCH_BYTES for fd in checkpoint.fds])
-            times.append(time.perf_counter())
-            failed = threading.Event()  # one failed chunk stops the others early
+        failed = threading.Event()  # one failed chunk stops the others early
 
-            def run(op: CopyOp) -> None:
-                if failed.is_set() or cancelled():
-                    raise Cancelled()
-                try:
-                    fd = checkpoint.fds[op.shard]
-                    if op.runs:
-                        writer.copy_scattered(fd, op.file_offset, op.arena_offset, op.nbytes, op.runs)
-                    else:
-                        writer.copy_from_file(fd, op.file_offset, op.arena_offset, op.nbytes)
-                except BaseException:
-                    failed.set()
-                    raise
-                progress.add(op.file_nbytes)
-
-            with ThreadPoolExecutor(workers or default_workers(), thread_name_prefix="wcd-load") as pool:
-                futures = [pool.submit(run, op) for op in ops]
-            errors = [e for e in (f.exception() for f in futures) if e is not None]
-            real = [e for e in errors if not isinstance(e, Cancelled)]
-            if real:
-                raise real[0]
-            if errors:
+        def run(op: CopyOp) -> None:
+            if failed.is_set() or cancelled():
                 raise Cancelled()
-            times.append(time.perf_counter())
-            changed = checkpoint.changed()
-            if not changed and fingerprint is not None and key.fingerprint(checkpoint) != fingerprint:
-                changed = [checkpoint.path]
-            if changed:
-                raise LoadFailed(f"{changed[0]} changed while it was being loaded (written in place?); nothing "
-                                 "was kept: load it again once it is complete")
-            times.append(time.perf_counter())
-        except OSError as e:
-            raise LoadFailed(f"{checkpoint.path}: read failed: {e.strerror or e}") from None
-        finally:
-            writer.close()
+            try:
+                fd = checkpoint.fds[op.shard]
+                if op.runs:
+                    writer.copy_scattered(fd, op.file_offset, op.arena_offset, op.nbytes, op.runs)
+                else:
+                    writer.copy_from_file(fd, op.file_offset, op.arena_offset, op.nbytes)
+            except BaseException:
+                failed.set()
+                raise
+            progress.add(op.file_nbytes)
+
+        with ThreadPoolExecutor(workers or default_workers(), thread_name_prefix="wcd-load") as pool:
+            futures = [pool.submit(run, op) for op in ops]
+        errors = [e for e in (f.exception() for f in futures) if e is not None]
+        real = [e for e in errors if not isinstance(e, Cancelled)]
+        if real:
+            raise real[0]
+        if errors:
+            raise Cancelled()
+        times.append(time.perf_counter())
+        changed = checkpoint.changed()
+        if not changed and fingerprint is not None and key.fingerprint(checkpoint) != fingerprint:
+            changed = [checkpoint.path]
+        if changed:
+            raise LoadFailed(f"{changed[0]} changed while it was being loaded (written in place?); nothing "
+                             "was kept: load it again once it is complete")
+        times.append(time.perf_counter())
+    except OSError as e:
+        raise LoadFailed(f"{checkpoint.path}: read failed: {e.strerror or e}") from None
+    finally:
+        writer.close()
     times.append(time.perf_counter())
     writing, planning, copying, checking, closing = (b - a for a, b in pairwise(times))
     log.debug("filled from %s: cache check and writer %.3f s, plan %.3f s, %d copies %.3f s, checks %.3f s, "

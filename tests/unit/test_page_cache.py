@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -119,19 +120,34 @@ def test_read_ahead_brings_a_dropped_shard_back_into_the_page_cache(tmp_path: Pa
         assert cached_fraction(fd) >= 0.9
 
 
-def test_fill_arena_reads_ahead_beside_the_writer_and_joins_it_even_when_the_writer_fails(
+def test_read_ahead_stops_when_told(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    stop = threading.Event()
+    asked: list[int] = []
+
+    def advise(fd: int, at: int, n: int, advice: int) -> None:
+        asked.append(at)
+        if len(asked) == 3:
+            stop.set()  # the writer is ready
+
+    with Checkpoint.open(_shards(tmp_path, [5 << 20])) as ckpt:
+        monkeypatch.setattr(os, "posix_fadvise", advise)
+        read_ahead(ckpt, [0.0], 5 << 20, stop)
+    assert len(asked) == 3
+
+
+def test_fill_arena_reads_ahead_while_the_writer_is_made_and_stops_then_even_when_it_fails(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import wcd.loader
 
     events: list[str] = []
 
-    def slow_read_ahead(ckpt: Checkpoint, cached: list[float], nbytes: int) -> None:
+    def slow_read_ahead(ckpt: Checkpoint, cached: list[float], nbytes: int, stop: threading.Event) -> None:
         events.append(f"ahead {nbytes} {cached}")
-        time.sleep(0.2)
-        events.append("ahead done")
+        events.append("ahead stopped" if stop.wait(5) else "ahead ran on")
 
     class NoWriter:
         def writer(self) -> None:
+            time.sleep(0.1)
             events.append("writer")
             raise RuntimeError("no writer")
 
@@ -142,8 +158,8 @@ def test_fill_arena_reads_ahead_beside_the_writer_and_joins_it_even_when_the_wri
         manifest = ckpt.manifest()
         with pytest.raises(RuntimeError, match="no writer"):
             fill_arena(NoWriter(), ckpt, manifest, Progress(ckpt.nbytes), reads_ahead=True)  # type: ignore[arg-type]
-        assert events[-1] == "ahead done"  # joined before fill_arena returned: the fds are the caller's to close
-        assert "ahead 1048576 [0.0]" in events and "writer" in events
+        # stopped and joined before fill_arena returned: the fds are the caller's to close
+        assert events == ["ahead 1048576 [0.0]", "writer", "ahead stopped"]
 
         events.clear()  # all of it in the page cache, or no read-ahead asked for: no thread at all
         monkeypatch.setattr(wcd.loader, "cached_fraction", lambda fd: 1.0)
