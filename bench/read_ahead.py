@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_load import write_checkpoint  # noqa: E402
-from wcd.arenas.host import HostArena  # noqa: E402
+from wcd.arenas.host import HostArena, HostWriter  # noqa: E402
 from wcd.checkpoint import Checkpoint  # noqa: E402
 from wcd.loader import Progress, cached_fraction, fill_arena  # noqa: E402
 
@@ -38,7 +38,7 @@ class SlowWriterArena(HostArena):
     ckpt: Checkpoint | None = None
     cached_at_writer = 0.0
 
-    def writer(self):  # type: ignore[no-untyped-def]
+    def writer(self) -> HostWriter:
         time.sleep(self.wait)
         assert self.ckpt is not None
         self.cached_at_writer = sum(cached_fraction(fd) * os.fstat(fd).st_size for fd in self.ckpt.fds)
