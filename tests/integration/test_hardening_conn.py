@@ -6,13 +6,16 @@ written against the raw protocol (`Raw`), as an attacker would, not through `wcd
 
 What counts is the time a ping waited on the daemon's loop: on a shared 2-core machine other
 people's load keeps either process off a CPU for 100 ms and more, which is not what these tests
-measure, so the time both spent runnable but not running (`/proc/.../schedstat`) is taken off.
-A loop that is busy or blocked (as in a close() waiting out a linger) still counts in full.
+measure, so the time both spent runnable but not running (`/proc/.../schedstat`) is taken off,
+and so is what the hypervisor took from every vCPU at once (`pings`). A loop that is busy or
+blocked (as in a close() waiting out a linger, or a write to a journal that stopped reading)
+still counts in full.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import socket
 import struct
 import subprocess
@@ -31,7 +34,7 @@ from tests.integration.conftest import Daemon
 from tests.integration.peers import Raw
 from tests.integration.pings import assert_fast, pinging
 from wcd import wire
-from wcd.client import Client
+from wcd.client import Client, connect
 from wcd.errors import Busy
 
 REPO = Path(__file__).resolve().parents[2]
@@ -429,6 +432,64 @@ def test_one_uid_cannot_take_every_connection(make_daemon, shared_socket):
     assert sum(r["ok"] for r in replies) == 6
     refused = [r for r in replies if not r["ok"]]
     assert refused and all("max_connections_per_uid" in r["error"]["message"] for r in refused)
+
+
+# -- the log: a journal that stops reading ------------------------------------------------------------
+
+
+class StuckLogDaemon(Daemon):
+    """A daemon whose stderr is a one-page pipe that nobody reads until `drain`: under systemd, a
+    journal that stopped reading (restarting, on a slow or full disk, hung)."""
+
+    def start(self) -> StuckLogDaemon:
+        import fcntl
+
+        self._read, write = os.pipe()
+        fcntl.fcntl(write, 1031, 4096)  # F_SETPIPE_SZ: one page, filled by ~40 lines
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", "wcd", "serve", "--config", str(self.config),
+                                          "--log-level", "info"], stdout=write, stderr=write)
+        finally:
+            os.close(write)
+        connect(self.socket, wait_s=30, while_alive=lambda: self.proc.poll() is None, heartbeats=False).close()
+        return self
+
+    def drain(self, timeout: float = 30.0) -> str:
+        """All it writes until it has exited (and its helpers, which share the pipe)."""
+        out, deadline = b"", time.monotonic() + timeout
+        try:
+            while select.select([self._read], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                if not (chunk := os.read(self._read, 1 << 16)):
+                    break
+                out += chunk
+        finally:
+            os.close(self._read)
+        return out.decode()
+
+
+def test_a_journal_that_stops_reading_does_not_stall_the_loop(tmp_path):
+    """Each connection that sends a frame too large for the limit is answered and logged (a
+    warning). With the log written from the loop, the ~40th line filled the pipe and the loop
+    waited on the journal, every client with it; now a thread waits, and no line is lost."""
+    d = StuckLogDaemon(tmp_path, "")
+    d.start()
+    try:
+        with pinging(d) as pings:
+            for _ in range(200):
+                with closing(Raw(d.socket)) as a:
+                    a.send(b"\xff" * 64)
+                    words = a.last_words(timeout=5)
+                    assert words is not None, "no answer in 5 s: the daemon's loop is stuck"
+                    assert words["error"]["code"] == "protocol_error", words
+        assert_fast(pings)
+    finally:
+        assert d.proc is not None
+        d.proc.terminate()
+        threading.Thread(target=d.proc.wait, daemon=True).start()
+        log = d.drain()  # the reader is back: what was queued is written, then the daemon exits
+    assert d.proc.wait(timeout=30) == 0
+    assert log.count("exceeds") == 200, log[-2000:]
+    assert "log lines dropped" not in log and "stopped" in log
 
 
 # -- item 15, the connection's share --------------------------------------------------------------------
