@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import select
 import socket
 import stat
 import threading
@@ -118,9 +119,13 @@ class LogWriter(logging.Handler):
                 self._waiting -= 1
 
     def _write(self, data: bytes) -> None:
+        """All of `data`, waiting as long as the stream takes (here, in this thread)."""
         view = memoryview(data)
         try:
             while view:
-                view = view[os.write(self._fd, view):]
+                try:
+                    view = view[os.write(self._fd, view):]
+                except BlockingIOError:  # someone made the shared description non-blocking
+                    select.select([], [self._fd], [])
         except OSError:
             pass  # the stream is gone: nowhere left to say it
