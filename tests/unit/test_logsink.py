@@ -5,6 +5,7 @@ streams: a file, a one-page pipe and a socket pair nobody reads (a journal that 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -12,7 +13,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import pytest
@@ -60,35 +61,29 @@ def timed_calls(calls: list[Callable[[str, int], None]], msg: str) -> float:
 
 
 @contextmanager
-def stuck_pipe() -> Iterator[tuple[int, int]]:
+def both_closed(r: int, w: int) -> Iterator[tuple[int, int]]:
+    """(r, w), both closed at the end (whichever a test has not closed itself)."""
+    try:
+        yield r, w
+    finally:
+        for fd in (r, w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def stuck_pipe() -> AbstractContextManager[tuple[int, int]]:
     """(read, write) of a one-page pipe: full after ~4 KiB until someone reads it."""
     r, w = os.pipe()
     fcntl.fcntl(w, F_SETPIPE_SZ, 4096)
-    try:
-        yield r, w
-    finally:
-        for fd in (r, w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+    return both_closed(r, w)
 
 
-@contextmanager
-def stuck_socket() -> Iterator[tuple[int, int]]:
-    """(read, write) ends of a stream socket pair with a small send buffer (the journal's socket)."""
+def stuck_socket() -> AbstractContextManager[tuple[int, int]]:
+    """(read, write) ends of a stream socket pair with small buffers (the journal's socket)."""
     a, b = socket.socketpair()
     a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    r, w = b.detach(), a.detach()
-    try:
-        yield r, w
-    finally:
-        for fd in (r, w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+    return both_closed(b.detach(), a.detach())
 
 
 def test_a_file_gets_each_line_before_the_log_call_returns(tmp_path: Path) -> None:
