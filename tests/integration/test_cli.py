@@ -119,6 +119,24 @@ def test_wcd_serve_serves_with_the_collector_on_and_start_up_frozen(tmp_path):
     assert out.stdout.split() == ["True", "True", "__all__"]
 
 
+def test_wcd_serve_serves_with_stderr_closed(tmp_path):
+    """No stderr at all (`2>&-`): nowhere to log, still a daemon."""
+    from wcd.client import Client, connect
+
+    sock = tmp_path / "wcd.sock"
+    cfg = tmp_path / "wcd.toml"
+    cfg.write_text(f'[daemon]\nsocket = "{sock}"\n')
+    proc = subprocess.Popen([sys.executable, "-m", "wcd", "serve", "--config", str(cfg)], stdout=subprocess.DEVNULL,
+                            preexec_fn=lambda: os.close(2))
+    try:
+        connect(sock, wait_s=30, while_alive=lambda: proc.poll() is None, heartbeats=False).close()
+        with Client(sock) as c:
+            c.ping()
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+
+
 def test_wcd_demo_runs_and_proves_bit_identical():
     out = run("wcd", "demo", timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -46,7 +46,22 @@ def main(argv: list[str] | None = None) -> int:
         die("wcd demo", e.message, 1)
 
 
+def _open_stdio() -> None:
+    """Put /dev/null on whichever of fds 0-2 is closed (`wcd serve 2>&-`). Otherwise the first
+    descriptor the daemon opens lands there: a C library's message to stderr would go to it, and
+    libuv aborts the daemon when it closes it (it asserts that it never closes 0-2)."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)  # the lowest free descriptor: this one
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+
+
 def serve_main(args: argparse.Namespace) -> int:
+    _open_stdio()
     from wcd import systemd
     from wcd.arenas import start_driver
     from wcd.configfile import instance_config_path, named_devices, read_toml
@@ -55,7 +70,7 @@ def serve_main(args: argparse.Namespace) -> int:
 
     # A journal that stops reading must not stall the loop, and every client with it (wcd.logsink).
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(message)s",
-                        handlers=[LogWriter(sys.stderr.fileno())])
+                        handlers=[LogWriter(2)])
     path = args.config or instance_config_path(args.instance)
     # pydantic's documented switch: it would otherwise list every installed distribution's entry
     # points at its first schema for plugins (4 ms on the VM; 12-18 ms on the H200 host, 214 of them),
