@@ -14,6 +14,7 @@ still counts in full.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import select
 import socket
@@ -442,10 +443,8 @@ class StuckLogDaemon(Daemon):
     journal that stopped reading (restarting, on a slow or full disk, hung)."""
 
     def start(self) -> StuckLogDaemon:
-        import fcntl
-
         self._read, write = os.pipe()
-        fcntl.fcntl(write, 1031, 4096)  # F_SETPIPE_SZ: one page, filled by ~40 lines
+        fcntl.fcntl(write, fcntl.F_SETPIPE_SZ, 4096)  # one page: ~40 lines fill it
         try:
             self.proc = subprocess.Popen([sys.executable, "-m", "wcd", "serve", "--config", str(self.config),
                                           "--log-level", "info"], stdout=write, stderr=write)
@@ -485,7 +484,6 @@ def test_a_journal_that_stops_reading_does_not_stall_the_loop(tmp_path):
     finally:
         assert d.proc is not None
         d.proc.terminate()
-        threading.Thread(target=d.proc.wait, daemon=True).start()
         log = d.drain()  # the reader is back: what was queued is written, then the daemon exits
     assert d.proc.wait(timeout=30) == 0
     assert log.count("exceeds") == 200, log[-2000:]

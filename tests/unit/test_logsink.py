@@ -21,8 +21,6 @@ import pytest
 import wcd.logsink
 from wcd.logsink import LogWriter
 
-F_SETPIPE_SZ = 1031
-
 
 def logger_to(handler: logging.Handler, name: str) -> logging.Logger:
     handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
@@ -74,7 +72,7 @@ def both_closed(r: int, w: int) -> Iterator[tuple[int, int]]:
 def stuck_pipe() -> AbstractContextManager[tuple[int, int]]:
     """(read, write) of a one-page pipe: full after ~4 KiB until someone reads it."""
     r, w = os.pipe()
-    fcntl.fcntl(w, F_SETPIPE_SZ, 4096)
+    fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 4096)
     return both_closed(r, w)
 
 
