@@ -38,7 +38,10 @@ def nonblocking_write(fd: int) -> tuple[Callable[[bytes], int] | None, Callable[
     if stat.S_ISREG(mode):
         return (lambda data: os.write(fd, data)), lambda: None  # a file takes what it is given
     if stat.S_ISSOCK(mode):
-        sock = socket.socket(fileno=os.dup(fd))
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            return None, lambda: None
 
         def send(data: bytes) -> int:
             try:
