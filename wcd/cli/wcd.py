@@ -50,14 +50,11 @@ def _open_stdio() -> None:
     """Put /dev/null on whichever of fds 0-2 is closed (`wcd serve 2>&-`). Otherwise the first
     descriptor the daemon opens lands there: a C library's message to stderr would go to it, and
     libuv aborts the daemon when it closes it (it asserts that it never closes 0-2)."""
-    for fd in (0, 1, 2):
+    for fd in (0, 1, 2):  # in order: those below are open, so the lowest free descriptor is this one
         try:
             os.fstat(fd)
         except OSError:
-            null = os.open(os.devnull, os.O_RDWR)  # the lowest free descriptor: this one
-            if null != fd:
-                os.dup2(null, fd)
-                os.close(null)
+            os.open(os.devnull, os.O_RDWR)
 
 
 def serve_main(args: argparse.Namespace) -> int:
