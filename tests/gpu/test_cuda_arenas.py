@@ -282,6 +282,9 @@ def test_staging_lingers_between_loads_and_cold_files_leave_the_page_cache(tmp_p
         os.fsync(fd)
         res = {{}}
         a = load(CudaBackend(linger_s=0), fd, 1.0)
+        deadline = time.monotonic() + 5  # released on a thread of its own, after the load
+        while active() and time.monotonic() < deadline:
+            time.sleep(0.02)
         res["active_after_unlingering_load"] = active()
         a.close()
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -542,7 +545,7 @@ def test_adopting_an_arena_creates_no_cuda_context(backend: Any, tmp_path: Path)
     arena, data, _ = filled_arena(backend, tmp_path, n)
     fd, sha = os.dup(arena.fd()), hashlib.sha256(data).hexdigest()
     code = f"""
-        import hashlib
+        import hashlib, time
         from cuda.bindings import driver as cuda
         from wcd.arenas.cuda import CudaBackend, find_gpu
 
@@ -554,6 +557,9 @@ def test_adopting_an_arena_creates_no_cuda_context(backend: Any, tmp_path: Path)
         adopted = CudaBackend(linger_s=0).adopt({fd}, "{arena.device}", {arena.size}, "adopted")
         after_adopt = active()
         adopted.check_adopted()
+        deadline = time.monotonic() + 5  # released on a thread of its own once the check ends
+        while active() and time.monotonic() < deadline:
+            time.sleep(0.02)
         print("CTX", after_adopt, active(), hashlib.sha256(adopted.read(0, {n})).hexdigest() == "{sha}")
     """
     try:

@@ -154,10 +154,44 @@ def test_linger_then_release_and_a_new_linger_applies_at_once(cuda: Any) -> None
 def test_zero_releases_at_once_and_inf_or_huge_keep(cuda: Any, linger: float) -> None:
     s = staging(cuda, linger)
     s.open()
+    s.give([s.take()])
     s.close()
+    if s._releasing is not None:
+        s._releasing.join(5)
     assert s.held == (linger > 0) and s._timer is None
+    assert (cuda.state.contexts, cuda.state.lanes[0].closed) == ((0, True) if linger == 0 else (1, False))
     s.release()
     assert cuda.state.contexts == 0
+
+
+def test_with_no_linger_the_release_is_off_the_closing_thread_and_a_new_load_is_not_hurt(
+        cuda: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unpinning lanes and releasing the context is not the load's time: `close` returns before
+    it ends. A load that opens meanwhile gets a context, and the release waits for nothing it holds."""
+    s = staging(cuda, 0)
+    started, go = threading.Event(), threading.Event()
+    release_context = cuda.release_context
+
+    def slow_release(gpu: Any) -> None:
+        started.set()
+        assert go.wait(5)
+        release_context(gpu)
+
+    monkeypatch.setattr(cuda, "release_context", slow_release)
+    s.open()
+    s.give([s.take()])
+    t = time.monotonic()
+    s.close()
+    assert time.monotonic() - t < 0.5 and started.wait(5)  # returned while the release waits
+    assert not s.held and cuda.state.lanes[0].closed
+    s.open()  # the next load, while the last one's release is still under way
+    assert s.held and cuda.state.contexts == 2
+    go.set()
+    s._releasing.join(5)
+    assert s.held and cuda.state.contexts == 1  # the old hold went, the new one stays
+    s.close()
+    s.release()  # as at shutdown: waits for the release the close started
+    assert not s.held and cuda.state.contexts == 0
 
 
 def test_an_exclusive_process_gpu_keeps_nothing_after_a_load_and_says_so_once(
