@@ -34,8 +34,8 @@
 #                                     load): wcd (reading ahead in 512 KiB WILLNEEDs), wcd-noahead, fastsafetensors; five
 #                                     with the default linger: wcd, wcd-direct-sweep at 512 KiB (fastsafetensors' requests),
 #                                     fastsafetensors
-#   bash bench/device_run.sh round11  GPU tests; 1.6 GB / 1k cold: six rounds with staging_linger_s = 0 (the context released
-#                                     after the answer), wcd and fastsafetensors; eight at the default linger: wcd,
+#   bash bench/device_run.sh round11  GPU tests; 1.6 GB / 1k cold: five rounds with staging_linger_s = 0 (the context released
+#                                     after the answer), wcd and fastsafetensors; six at the default linger: wcd,
 #                                     wcd-direct-sweep at 512 KiB, fastsafetensors
 #   bash bench/device_run.sh cold9    1.6 GB / 1k cold, wcd and fastsafetensors, each process with torch and CUDA up
 #                                     before its clock; six rounds rotated, settled 0 s and 8 s after each drop
@@ -130,11 +130,11 @@ case "${1:-tests}" in
   round11)
     gpu_tests
     BENCH_DAEMON_CONFIG="staging_linger_s = 0" BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT 150 python3 bench/bench_load.py \
-      --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --cold --cold-reps 6 --reps 1 \
+      --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --cold --cold-reps 5 --reps 1 \
       --loaders wcd,fastsafetensors --out "$OUT/round11-linger0.json" \
       --daemon-log "$OUT/round11-daemon-linger0.log" 2>&1 | grep '"round"' | cut -c1-200
-    BENCH_SWEEP_BYTES=524288 BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT 300 python3 bench/bench_load.py \
-      --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --cold --cold-reps 8 --reps 1 \
+    BENCH_SWEEP_BYTES=524288 BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT 240 python3 bench/bench_load.py \
+      --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --cold --cold-reps 6 --reps 1 \
       --loaders wcd,wcd-direct-sweep,fastsafetensors --out "$OUT/round11-linger.json" \
       --daemon-log "$OUT/round11-daemon-linger.log" 2>&1 | grep '"round"' | cut -c1-200
     for f in "$OUT"/round11-*.json; do python3 bench/summarize_load.py "$f" | cut -c1-300; done
