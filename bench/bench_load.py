@@ -326,8 +326,8 @@ def main() -> int:
     runs: list[dict[str, object]] = result["runs"]  # type: ignore[assignment]
     with tempfile.TemporaryDirectory() as tmp:
         # "wcd" reads cold files through the page cache (the default); "wcd-direct" with O_DIRECT;
-        # "wcd-sweep" and "wcd-direct-sweep" the same in BENCH_SWEEP_BYTES reads (default 4 MiB,
-        # the least: a lane's warm buffers), not 16 MiB; "wcd-noahead" reads nothing ahead while
+        # "wcd-sweep" and "wcd-direct-sweep" the same in BENCH_SWEEP_BYTES reads (default 4 MiB),
+        # not 16 MiB (before 2026-12-03 reads below 4 MiB, a lane's warm buffers, read 4 MiB); "wcd-noahead" reads nothing ahead while
         # its writer is being made (`loader.READ_AHEAD_BYTES` = 0).
         sweep = {"wcd.arenas.cuda.COLD_READ_BYTES": int(os.environ.get("BENCH_SWEEP_BYTES", 4 << 20))}
         variants: dict[str, tuple[str, dict[str, int]]] = {

@@ -582,8 +582,9 @@ class Staging:
 
     @property
     def cold_read(self) -> int:
-        """Bytes per read from a file not in the page cache (a lane grows its buffers to it)."""
-        return max(self._lane_shape[0], COLD_READ_BYTES)
+        """Bytes per read from a file not in the page cache (a lane grows its buffers to it; one
+        smaller than a lane's buffers, as benchmarks set, reads that much into them)."""
+        return COLD_READ_BYTES
 
     @property
     def held(self) -> bool:
