@@ -327,12 +327,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         # "wcd" reads cold files through the page cache (the default); "wcd-direct" with O_DIRECT;
         # "wcd-sweep" and "wcd-direct-sweep" the same in BENCH_SWEEP_BYTES reads (default 4 MiB),
-        # not 16 MiB (before 2026-12-03 reads below 4 MiB, a lane's warm buffers, read 4 MiB); "wcd-noahead" reads nothing ahead while
-        # its writer is being made (`loader.READ_AHEAD_BYTES` = 0).
+        # not 16 MiB (until 2026-12-03 reads below 4 MiB, a lane's warm buffers, read 4 MiB);
+        # "wcd-noahead" reads nothing ahead while its writer is being made (`loader.READ_AHEAD_BYTES`
+        # = 0); "wcd-chunk16" copies tensors larger than a read in 16 MiB ops (`loader.CHUNK_BYTES`),
+        # not 64 MiB: a sweep of 16 MiB reads across large tensors too.
         sweep = {"wcd.arenas.cuda.COLD_READ_BYTES": int(os.environ.get("BENCH_SWEEP_BYTES", 4 << 20))}
         variants: dict[str, tuple[str, dict[str, int]]] = {
             "wcd": ("buffered", {}), "wcd-direct": ("direct", {}), "wcd-sweep": ("buffered", sweep),
-            "wcd-direct-sweep": ("direct", sweep), "wcd-noahead": ("buffered", {"wcd.loader.READ_AHEAD_BYTES": 0})}
+            "wcd-direct-sweep": ("direct", sweep), "wcd-noahead": ("buffered", {"wcd.loader.READ_AHEAD_BYTES": 0}),
+            "wcd-chunk16": ("buffered", {"wcd.loader.CHUNK_BYTES": 16 << 20})}
         daemons = {name: Daemon(Path(tmp) / name, args.device, *variant)
                    for name, variant in variants.items() if name in loaders}
         try:

@@ -34,6 +34,9 @@
 #                                     load): wcd (reading ahead in 512 KiB WILLNEEDs), wcd-noahead, fastsafetensors; five
 #                                     with the default linger: wcd, wcd-direct-sweep at 512 KiB (fastsafetensors' requests),
 #                                     fastsafetensors
+#   bash bench/device_run.sh round12  GPU tests; 1.6 GB / 1k cold, six rounds: wcd, wcd-direct-sweep at 512 KiB (fastsafetensors'
+#                                     request size, now really), fastsafetensors; 1.6 GB in 16 tensors of 100 MB cold, five
+#                                     rounds: wcd, wcd-chunk16 (large tensors in 16 MiB ops: a sweep), fastsafetensors
 #   bash bench/device_run.sh round11  GPU tests; 1.6 GB / 1k cold: five rounds with staging_linger_s = 0 (the context released
 #                                     after the answer), wcd and fastsafetensors; six at the default linger: wcd,
 #                                     wcd-direct-sweep at 512 KiB, fastsafetensors
@@ -127,6 +130,18 @@ case "${1:-tests}" in
       --loaders wcd,wcd-direct-sweep,fastsafetensors --out "$OUT/ahead10-linger.json" \
       --daemon-log "$OUT/ahead10-daemon-linger.log" 2>&1 | grep '"round"' | cut -c1-300
     grep -h "filled from" "$OUT"/ahead10-daemon*.log | cut -c1-200 ;;
+  round12)
+    gpu_tests
+    BENCH_SWEEP_BYTES=524288 BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT 250 python3 bench/bench_load.py \
+      --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --cold --cold-reps 6 --reps 1 \
+      --loaders wcd,wcd-direct-sweep,fastsafetensors --out "$OUT/round12-512k.json" \
+      --daemon-log "$OUT/round12-daemon-512k.log" 2>&1 | grep '"round"' | cut -c1-200
+    BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT 220 python3 bench/bench_load.py \
+      --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:16 --cold --cold-reps 5 --reps 1 \
+      --loaders wcd,wcd-chunk16,fastsafetensors --out "$OUT/round12-large.json" \
+      --daemon-log "$OUT/round12-daemon-large.log" 2>&1 | grep '"round"' | cut -c1-200
+    for f in "$OUT"/round12-*.json; do python3 bench/summarize_load.py "$f" | cut -c1-300; done
+    grep -h "filled from" "$OUT"/round12-daemon*.log | cut -c1-200 ;;
   round11)
     gpu_tests
     BENCH_DAEMON_CONFIG="staging_linger_s = 0" BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT 150 python3 bench/bench_load.py \
