@@ -46,8 +46,8 @@ def fill(cuda: Any, path: Path, lane_bytes: int = 4 << 20, batch: int = 4 << 20,
     progress = Progress(ckpt.nbytes)
     fill_arena(arena, ckpt, ckpt.copy_plan(manifest, batch=batch), progress, workers=workers)
     arena.close()
-    if staging._releasing is not None:  # with no linger, released on a thread after the close
-        staging._releasing.join(5)
+    for thread in staging._releasing:  # with no linger, released on a thread after the close
+        thread.join(5)
     assert progress.done == ckpt.nbytes and not staging.held
     return ckpt, manifest
 

@@ -156,8 +156,8 @@ def test_zero_releases_at_once_and_inf_or_huge_keep(cuda: Any, linger: float) ->
     s.open()
     s.give([s.take()])
     s.close()
-    if s._releasing is not None:
-        s._releasing.join(5)
+    for thread in s._releasing:
+        thread.join(5)
     assert s.held == (linger > 0) and s._timer is None
     assert (cuda.state.contexts, cuda.state.lanes[0].closed) == ((0, True) if linger == 0 else (1, False))
     s.release()
@@ -167,13 +167,15 @@ def test_zero_releases_at_once_and_inf_or_huge_keep(cuda: Any, linger: float) ->
 def test_with_no_linger_the_release_is_off_the_closing_thread_and_a_new_load_is_not_hurt(
         cuda: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Unpinning lanes and releasing the context is not the load's time: `close` returns before
-    it ends. A load that opens meanwhile gets a context, and the release waits for nothing it holds."""
+    it ends. A load that opens meanwhile gets a context of its own; a shutdown's `release` waits
+    for every release under way, not only the last one started."""
     s = staging(cuda, 0)
-    started, go = threading.Event(), threading.Event()
+    entered = threading.Semaphore(0)
+    go = threading.Event()
     release_context = cuda.release_context
 
     def slow_release(gpu: Any) -> None:
-        started.set()
+        entered.release()
         assert go.wait(5)
         release_context(gpu)
 
@@ -182,16 +184,56 @@ def test_with_no_linger_the_release_is_off_the_closing_thread_and_a_new_load_is_
     s.give([s.take()])
     t = time.monotonic()
     s.close()
-    assert time.monotonic() - t < 0.5 and started.wait(5)  # returned while the release waits
+    assert time.monotonic() - t < 0.5 and entered.acquire(timeout=5)  # returned while the release waits
     assert not s.held and cuda.state.lanes[0].closed
     s.open()  # the next load, while the last one's release is still under way
     assert s.held and cuda.state.contexts == 2
+    s.give([s.take()])
+    s.close()  # a second release, beside the first
+    assert entered.acquire(timeout=5) and len(s._releasing) == 2 and cuda.state.contexts == 2
+    shutdown = threading.Thread(target=s.release)
+    shutdown.start()
+    shutdown.join(0.3)
+    assert shutdown.is_alive()  # waiting for both releases
     go.set()
-    s._releasing.join(5)
-    assert s.held and cuda.state.contexts == 1  # the old hold went, the new one stays
+    shutdown.join(5)
+    assert not shutdown.is_alive() and not s.held and cuda.state.contexts == 0
+    assert all(lane.closed for lane in cuda.state.lanes)
+
+
+def test_with_no_thread_to_be_had_the_release_happens_before_close_returns(
+        cuda: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tasks limit that refuses a thread does not fail the load or leave the context held."""
+    s = staging(cuda, 0)
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    s.open()
+    s.give([s.take()])
     s.close()
-    s.release()  # as at shutdown: waits for the release the close started
-    assert not s.held and cuda.state.contexts == 0
+    assert not s.held and cuda.state.contexts == 0 and cuda.state.lanes[0].closed and s._releasing == []
+    s.release()  # as at shutdown: nothing left to wait for, nothing raised
+
+
+def test_a_release_that_fails_on_its_thread_is_one_log_line(
+        cuda: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    def failing(gpu: Any) -> None:
+        raise cuda.Internal("CUDA cuDevicePrimaryCtxRelease failed: CUDA_ERROR_UNKNOWN")
+
+    monkeypatch.setattr(cuda, "release_context", failing)
+    caplog.set_level(logging.WARNING, logger="wcd")
+    s = staging(cuda, 0)
+    s.open()
+    s.close()
+    for thread in s._releasing:
+        thread.join(5)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [f"{s.gpu.label}: releasing the CUDA context and load staging after a load failed: "
+                     "CUDA cuDevicePrimaryCtxRelease failed: CUDA_ERROR_UNKNOWN"], lines
 
 
 def test_an_exclusive_process_gpu_keeps_nothing_after_a_load_and_says_so_once(

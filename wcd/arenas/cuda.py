@@ -24,7 +24,7 @@ from wcd.arenas.base import Arena, ArenaBackend, ArenaReader, ArenaWriter, Devic
 from wcd.arenas.cudrv import Gpu, format_uuid, resolve_gpu
 from wcd.checkpoint import Run
 from wcd.config import format_size
-from wcd.errors import BadRequest, DeviceUnavailable, Internal, OutOfMemory
+from wcd.errors import BadRequest, DeviceUnavailable, Internal, OutOfMemory, WcdError
 from wcd.manifest import align_up
 
 log = logging.getLogger("wcd")
@@ -425,7 +425,7 @@ class Staging:
 
     Creating a context and pinning host memory is most of a load's fixed cost, so writers (and
     verify's readers) `open` this and take lanes from it instead. When the last closes, the lanes and the context
-    stay `linger_s` seconds for the next load (0: released at once; inf: for the daemon's life),
+    stay `linger_s` seconds for the next load (0: released as it ends, after its answer; inf: for the daemon's life),
     then are released: the daemon holds no CUDA context while it is not loading. On a GPU in
     exclusive-process compute mode they are released as soon as the last closes (see
     EXCLUSIVE_PREPARED_S): engines could not create their context there meanwhile.
@@ -442,7 +442,7 @@ class Staging:
         self._free: list[_Lane] = []
         self._making = 0  # lanes `prepare` is making: a load's threads wait for those first
         self._timer: threading.Timer | None = None
-        self._releasing: threading.Thread | None = None  # the release a `close` left running
+        self._releasing: list[threading.Thread] = []  # releases `close` started (finished ones pruned)
         self._exclusive = False  # the GPU's compute mode when the context was retained
         self._exclusive_told = False  # the log line about it, once per GPU
         self.direct_reads = False  # cold files through O_DIRECT (`CudaBackend.configure`)
@@ -489,20 +489,36 @@ class Staging:
         """One writer done: release everything once no writer is left and `linger_s` has passed.
         `prepared`: the hold of a `prepare`, whose load is about to take over what it set up.
 
-        With no linger the release runs on a thread of its own: unpinning the lanes and releasing
-        the context took 0.13-0.18 s on the H200, and the load is whole without it (its copies
-        finished before this). A GPU in exclusive-process mode is released before this returns:
-        the engine told of the load creates its context there next."""
+        With no linger the release runs on a thread of its own, so the answer does not wait for
+        it: unpinning the lanes and releasing the context took 0.13-0.18 s on the H200, and the
+        load is whole without it (its copies finished before this). A GPU in exclusive-process
+        mode is released before this returns: the engine told of the load creates its context there
+        next. So is any GPU when no thread can be started."""
         with self._lock:
             self._users -= 1
             now = self._linger_locked(prepared)
-            if now and not self._exclusive:
-                self._releasing = threading.Thread(target=self.release, daemon=True,
-                                                   name=f"wcd-release-{self.gpu.ordinal}")
-                self._releasing.start()
+            exclusive = self._exclusive
+        if not now:
+            return
+        if not exclusive:
+            thread = threading.Thread(target=self._release_logged, daemon=True, name=f"wcd-release-{self.gpu.ordinal}")
+            with self._lock:
+                self._releasing = [t for t in self._releasing if t.is_alive()] + [thread]
+            try:
+                thread.start()
                 return
-        if now:
-            self.release()
+            except RuntimeError:  # no thread to be had (a tasks limit): here, as before
+                with self._lock:
+                    self._releasing.remove(thread)
+        self._release_now()
+
+    def _release_logged(self) -> None:
+        """`release` on a thread of its own, its failure said in the log (nobody waits for it)."""
+        try:
+            self._release_now()
+        except Exception as e:  # noqa: BLE001 - the load it followed is whole; the log says what was left
+            log.warning("%s: releasing the CUDA context and load staging after a load failed: %s", self.gpu.label,
+                        e.message if isinstance(e, WcdError) else f"{type(e).__name__}: {e}")
 
     def set_linger(self, linger_s: float) -> None:
         """A new linger (the config was reloaded); an idle, lingering GPU is rescheduled by it."""
@@ -533,11 +549,14 @@ class Staging:
         return False
 
     def release(self) -> None:
-        """Close the pooled lanes and release the context, unless a writer holds it. Called from
-        elsewhere than a release `close` started, it waits for that one too (daemon shutdown)."""
-        releasing = self._releasing
-        if releasing is not None and releasing is not threading.current_thread():
-            releasing.join()
+        """Close the pooled lanes and release the context, unless a writer holds it; first wait
+        for the releases that `close` left running on threads of their own (daemon shutdown)."""
+        for thread in list(self._releasing):
+            if thread.is_alive():
+                thread.join()
+        self._release_now()
+
+    def _release_now(self) -> None:
         with self._lock:
             if self._users or self._ctx is None:
                 return
