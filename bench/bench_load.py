@@ -331,7 +331,10 @@ def main() -> int:
         # "wcd-noahead" reads nothing ahead while its writer is being made (`loader.READ_AHEAD_BYTES`
         # = 0); "wcd-chunk16" copies tensors larger than a read in 16 MiB ops (`loader.CHUNK_BYTES`),
         # not 64 MiB: a sweep of 16 MiB reads across large tensors too.
-        sweep = {"wcd.arenas.cuda.COLD_READ_BYTES": int(os.environ.get("BENCH_SWEEP_BYTES", 4 << 20))}
+        # Tensors larger than a sweep's read are copied in ops of one read too (`loader.CHUNK_BYTES`):
+        # the loader threads then take the file one read at a time, in order, whatever the tensors.
+        sweep_bytes = int(os.environ.get("BENCH_SWEEP_BYTES", 4 << 20))
+        sweep = {"wcd.arenas.cuda.COLD_READ_BYTES": sweep_bytes, "wcd.loader.CHUNK_BYTES": sweep_bytes}
         variants: dict[str, tuple[str, dict[str, int]]] = {
             "wcd": ("buffered", {}), "wcd-direct": ("direct", {}), "wcd-sweep": ("buffered", sweep),
             "wcd-direct-sweep": ("direct", sweep), "wcd-noahead": ("buffered", {"wcd.loader.READ_AHEAD_BYTES": 0}),

@@ -34,7 +34,7 @@
 #                                     load): wcd (reading ahead in 512 KiB WILLNEEDs), wcd-noahead, fastsafetensors; five
 #                                     with the default linger: wcd, wcd-direct-sweep at 512 KiB (fastsafetensors' requests),
 #                                     fastsafetensors
-#   bash bench/device_run.sh round12  GPU tests; 1.6 GB / 1k cold, six rounds: wcd, wcd-direct-sweep at 512 KiB (fastsafetensors'
+#   bash bench/device_run.sh round12  GPU tests; 1.6 GB / 1k cold, six rounds: wcd, wcd-direct-sweep: 512 KiB O_DIRECT reads, one per op (fastsafetensors'
 #                                     request size, now really), fastsafetensors; 1.6 GB in 16 tensors of 100 MB cold, five
 #                                     rounds: wcd, wcd-chunk16 (large tensors in 16 MiB ops: a sweep), fastsafetensors
 #   bash bench/device_run.sh round11  GPU tests; 1.6 GB / 1k cold: five rounds with staging_linger_s = 0 (the context released
