@@ -333,8 +333,9 @@ def main() -> int:
         # not 64 MiB: a sweep of 16 MiB reads across large tensors too.
         # Tensors larger than a sweep's read are copied in ops of one read too (`loader.CHUNK_BYTES`):
         # the loader threads then take the file one read at a time, in order, whatever the tensors.
+        # A read has room for one more block: an op that starts inside a block is still one O_DIRECT read.
         sweep_bytes = int(os.environ.get("BENCH_SWEEP_BYTES", 4 << 20))
-        sweep = {"wcd.arenas.cuda.COLD_READ_BYTES": sweep_bytes, "wcd.loader.CHUNK_BYTES": sweep_bytes}
+        sweep = {"wcd.arenas.cuda.COLD_READ_BYTES": sweep_bytes + 4096, "wcd.loader.CHUNK_BYTES": sweep_bytes}
         variants: dict[str, tuple[str, dict[str, int]]] = {
             "wcd": ("buffered", {}), "wcd-direct": ("direct", {}), "wcd-sweep": ("buffered", sweep),
             "wcd-direct-sweep": ("direct", sweep), "wcd-noahead": ("buffered", {"wcd.loader.READ_AHEAD_BYTES": 0}),
