@@ -498,30 +498,34 @@ class Staging:
             self._users -= 1
             now = self._linger_locked(prepared)
             exclusive = self._exclusive
-        if not now:
-            return
-        if not exclusive:
-            thread = threading.Thread(target=self._release_logged, daemon=True, name=f"wcd-release-{self.gpu.ordinal}")
+        if now and exclusive:
+            self._release_now()
+        elif now:
+            self._release_soon()
+
+    def _release_soon(self) -> None:
+        """Release on a thread of its own (here if none can be started: a tasks limit)."""
+        thread = threading.Thread(target=self._release_logged, daemon=True, name=f"wcd-release-{self.gpu.ordinal}")
+        with self._lock:
+            self._releasing = [t for t in self._releasing if t.is_alive()] + [thread]
+        try:
+            thread.start()
+        except RuntimeError:
             with self._lock:
-                self._releasing = [t for t in self._releasing if t.is_alive()] + [thread]
-            try:
-                thread.start()
-                return
-            except RuntimeError:  # no thread to be had (a tasks limit): here, as before
-                with self._lock:
-                    self._releasing.remove(thread)
-        self._release_now()
+                self._releasing.remove(thread)
+            self._release_now()
 
     def _release_logged(self) -> None:
         """`release` on a thread of its own, its failure said in the log (nobody waits for it)."""
         try:
             self._release_now()
         except Exception as e:  # noqa: BLE001 - the load it followed is whole; the log says what was left
-            log.warning("%s: releasing the CUDA context and load staging after a load failed: %s", self.gpu.label,
+            log.warning("%s: releasing the CUDA context and load staging failed: %s", self.gpu.label,
                         e.message if isinstance(e, WcdError) else f"{type(e).__name__}: {e}")
 
     def set_linger(self, linger_s: float) -> None:
-        """A new linger (the config was reloaded); an idle, lingering GPU is rescheduled by it."""
+        """A new linger (the config was reloaded); an idle, lingering GPU is rescheduled by it, or
+        released on a thread of its own (this runs on the event loop, before a load's admission)."""
         with self._lock:
             self.linger_s = linger_s
             if self._timer is not None:
@@ -529,7 +533,7 @@ class Staging:
                 self._timer = None
             now = self._linger_locked()
         if now:
-            self.release()
+            self._release_soon()
 
     def _linger_locked(self, prepared: bool = False) -> bool:
         """With the lock held and no writer left: start the linger timer; True: release now."""
