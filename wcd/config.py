@@ -126,8 +126,9 @@ class DaemonConfig(BaseModel):
     # parsed in the daemon; unset: one per 2 cores on hosts of 4 or more, at most 8. Read at start-up.
     header_helpers: Annotated[int, Field(ge=0, le=64)] | None = None
     # Seconds a GPU's CUDA context and pinned staging stay after its last load, for the next one
-    # (0: released at once; inf: kept while the daemon runs, a context's memory on each GPU). A GPU
-    # in exclusive-process compute mode keeps nothing after a load: engines could not create a context.
+    # (0: released as the load ends, beside its answer; inf: kept while the daemon runs, a context's
+    # memory on each GPU). A GPU in exclusive-process compute mode keeps nothing after a load, released
+    # before the answer: engines could not create a context.
     staging_linger_s: Annotated[float, Field(ge=0)] = 30.0
     # How a GPU load reads files that are not in the page cache: "buffered" (through the page
     # cache, then dropped for files that were not in it at all: faster on the disks measured) or
