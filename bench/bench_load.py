@@ -329,17 +329,17 @@ def main() -> int:
         # "wcd-sweep" and "wcd-direct-sweep" the same in BENCH_SWEEP_BYTES reads (default 4 MiB),
         # not 16 MiB (until 2026-12-03 reads below 4 MiB, a lane's warm buffers, read 4 MiB);
         # "wcd-noahead" reads nothing ahead while its writer is being made (`loader.READ_AHEAD_BYTES`
-        # = 0); "wcd-chunk16" copies tensors larger than a read in 16 MiB ops (`loader.CHUNK_BYTES`),
+        # = 0); "wcd-chunk16" copies tensors larger than a read in 16 MiB ops (`checkpoint.CHUNK_BYTES`),
         # not 64 MiB: a sweep of 16 MiB reads across large tensors too.
-        # Tensors larger than a sweep's read are copied in ops of one read too (`loader.CHUNK_BYTES`):
+        # Tensors larger than a sweep's read are copied in ops of one read too (`checkpoint.CHUNK_BYTES`):
         # the loader threads then take the file one read at a time, in order, whatever the tensors.
         # A read has room for one more block: an op that starts inside a block is still one O_DIRECT read.
         sweep_bytes = int(os.environ.get("BENCH_SWEEP_BYTES", 4 << 20))
-        sweep = {"wcd.arenas.cuda.COLD_READ_BYTES": sweep_bytes + 4096, "wcd.loader.CHUNK_BYTES": sweep_bytes}
+        sweep = {"wcd.arenas.cuda.COLD_READ_BYTES": sweep_bytes + 4096, "wcd.checkpoint.CHUNK_BYTES": sweep_bytes}
         variants: dict[str, tuple[str, dict[str, int]]] = {
             "wcd": ("buffered", {}), "wcd-direct": ("direct", {}), "wcd-sweep": ("buffered", sweep),
             "wcd-direct-sweep": ("direct", sweep), "wcd-noahead": ("buffered", {"wcd.loader.READ_AHEAD_BYTES": 0}),
-            "wcd-chunk16": ("buffered", {"wcd.loader.CHUNK_BYTES": 16 << 20})}
+            "wcd-chunk16": ("buffered", {"wcd.checkpoint.CHUNK_BYTES": 16 << 20})}
         daemons = {name: Daemon(Path(tmp) / name, args.device, *variant)
                    for name, variant in variants.items() if name in loaders}
         try:

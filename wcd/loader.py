@@ -116,10 +116,6 @@ READ_AHEAD_BYTES = 128 << 20
 # pieces no larger than the smallest such limit Linux sets by default (BLK_DEF_MAX_SECTORS was
 # 512 KiB before 6.9; read_ahead_kb defaults to 128 KiB).
 ADVICE_BYTES = 512 << 10
-# A tensor of at least a file's batch is copied in pieces of this many bytes, one op each: the
-# loader threads take ops in file order, so a large tensor's pieces are read by several threads
-# at once, each piece front to back (a module constant so that benchmarks can set it).
-CHUNK_BYTES = 64 << 20
 
 
 def read_ahead(checkpoint: Checkpoint, cached: list[float], nbytes: int,
@@ -186,7 +182,7 @@ def fill_arena(
         for fd, fraction in zip(checkpoint.fds, cached):
             writer.hint(fd, fraction)
         ops = plan if not isinstance(plan, Manifest) else \
-            checkpoint.copy_plan(plan, CHUNK_BYTES, [writer.batch_bytes(fd) or BATCH_BYTES for fd in checkpoint.fds])
+            checkpoint.copy_plan(plan, batch=[writer.batch_bytes(fd) or BATCH_BYTES for fd in checkpoint.fds])
         times.append(time.perf_counter())
         failed = threading.Event()  # one failed chunk stops the others early
 

@@ -425,7 +425,7 @@ class Staging:
 
     Creating a context and pinning host memory is most of a load's fixed cost, so writers (and
     verify's readers) `open` this and take lanes from it instead. When the last closes, the lanes and the context
-    stay `linger_s` seconds for the next load (0: released as it ends, after its answer; inf: for the daemon's life),
+    stay `linger_s` seconds for the next load (0: released as it ends, beside its answer; inf: for the daemon's life),
     then are released: the daemon holds no CUDA context while it is not loading. On a GPU in
     exclusive-process compute mode they are released as soon as the last closes (see
     EXCLUSIVE_PREPARED_S): engines could not create their context there meanwhile.
@@ -442,7 +442,7 @@ class Staging:
         self._free: list[_Lane] = []
         self._making = 0  # lanes `prepare` is making: a load's threads wait for those first
         self._timer: threading.Timer | None = None
-        self._releasing: list[threading.Thread] = []  # releases `close` started (finished ones pruned)
+        self._releasing: list[threading.Thread] = []  # releases on threads of their own (finished ones pruned)
         self._exclusive = False  # the GPU's compute mode when the context was retained
         self._exclusive_told = False  # the log line about it, once per GPU
         self.direct_reads = False  # cold files through O_DIRECT (`CudaBackend.configure`)
@@ -516,7 +516,7 @@ class Staging:
             self._release_now()
 
     def _release_logged(self) -> None:
-        """`release` on a thread of its own, its failure said in the log (nobody waits for it)."""
+        """`_release_now` on a thread of its own, its failure said in the log (nobody waits for it)."""
         try:
             self._release_now()
         except Exception as e:  # noqa: BLE001 - the load it followed is whole; the log says what was left
@@ -554,7 +554,7 @@ class Staging:
 
     def release(self) -> None:
         """Close the pooled lanes and release the context, unless a writer holds it; first wait
-        for the releases that `close` left running on threads of their own (daemon shutdown)."""
+        for the releases left running on threads of their own (daemon shutdown)."""
         for thread in list(self._releasing):
             if thread.is_alive():
                 thread.join()
