@@ -32,14 +32,14 @@
 #   (ahead9, at 1cf38d8: read patterns as streams; the read-ahead A/B, since reverted; see RESULTS)
 #   bash bench/device_run.sh ahead10  GPU tests; 1.6 GB / 1k cold, six rounds with staging_linger_s = 0 (a context made per
 #                                     load): wcd (reading ahead in 512 KiB WILLNEEDs), wcd-noahead, fastsafetensors; five
-#                                     with the default linger: wcd, wcd-direct-sweep at 512 KiB (fastsafetensors' requests),
-#                                     fastsafetensors
+#                                     with the default linger: wcd, wcd-direct-sweep at 512 KiB (fastsafetensors' requests;
+#                                     when it ran, before dd2b441, the reads were 4 MiB), fastsafetensors
 #   bash bench/device_run.sh round12  GPU tests; 1.6 GB / 1k cold, six rounds: wcd, wcd-direct-sweep: 512 KiB O_DIRECT reads, one per op (fastsafetensors'
 #                                     request size, now really), fastsafetensors; 1.6 GB in 16 tensors of 100 MB cold, five
 #                                     rounds: wcd, wcd-chunk16 (large tensors in 16 MiB ops: a sweep), fastsafetensors
 #   bash bench/device_run.sh round11  GPU tests; 1.6 GB / 1k cold: five rounds with staging_linger_s = 0 (the context released
 #                                     after the answer), wcd and fastsafetensors; six at the default linger: wcd,
-#                                     wcd-direct-sweep at 512 KiB, fastsafetensors
+#                                     wcd-direct-sweep at 512 KiB (4 MiB when it ran, before dd2b441), fastsafetensors
 #   bash bench/device_run.sh cold9    1.6 GB / 1k cold, wcd and fastsafetensors, each process with torch and CUDA up
 #                                     before its clock; six rounds rotated, settled 0 s and 8 s after each drop
 #   bash bench/device_run.sh sweep9   GPU tests; 1.6 GB / 1k cold: read patterns (16 MiB and 4 MiB buffered, 512 KiB and 4 MiB

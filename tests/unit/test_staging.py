@@ -171,7 +171,7 @@ def test_a_linger_lowered_to_zero_releases_off_the_calling_thread(cuda: Any, mon
 
 
 @pytest.mark.parametrize("linger", [0.0, float("inf"), 1e12])
-def test_zero_releases_at_once_and_inf_or_huge_keep(cuda: Any, linger: float) -> None:
+def test_zero_releases_after_the_close_and_inf_or_huge_keep(cuda: Any, linger: float) -> None:
     s = staging(cuda, linger)
     s.open()
     s.give([s.take()])
