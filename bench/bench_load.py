@@ -330,7 +330,8 @@ def main() -> int:
         # not 16 MiB (until 2026-12-03 reads below 4 MiB, a lane's warm buffers, read 4 MiB);
         # "wcd-noahead" reads nothing ahead while its writer is being made (`loader.READ_AHEAD_BYTES`
         # = 0); "wcd-chunk16" copies tensors larger than a read in 16 MiB ops (`checkpoint.CHUNK_BYTES`),
-        # not 64 MiB: a sweep of 16 MiB reads across large tensors too.
+        # not 64 MiB: a sweep of 16 MiB reads across large tensors too; "wcd-direct-512k" reads cold
+        # files with O_DIRECT in spans of at most 512 KiB (fastsafetensors' block) within ops as usual.
         # Tensors larger than a sweep's read are copied in ops of one read too (`checkpoint.CHUNK_BYTES`):
         # the loader threads then take the file one read at a time, in order, whatever the tensors.
         # A read has room for one more block: an op that starts inside a block is still one O_DIRECT read.
@@ -339,7 +340,8 @@ def main() -> int:
         variants: dict[str, tuple[str, dict[str, int]]] = {
             "wcd": ("buffered", {}), "wcd-direct": ("direct", {}), "wcd-sweep": ("buffered", sweep),
             "wcd-direct-sweep": ("direct", sweep), "wcd-noahead": ("buffered", {"wcd.loader.READ_AHEAD_BYTES": 0}),
-            "wcd-chunk16": ("buffered", {"wcd.checkpoint.CHUNK_BYTES": 16 << 20})}
+            "wcd-chunk16": ("buffered", {"wcd.checkpoint.CHUNK_BYTES": 16 << 20}),
+            "wcd-direct-512k": ("direct", {"wcd.arenas.cuda.COLD_READ_BYTES": 512 << 10})}
         daemons = {name: Daemon(Path(tmp) / name, args.device, *variant)
                    for name, variant in variants.items() if name in loaders}
         try:

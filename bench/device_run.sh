@@ -34,6 +34,13 @@
 #                                     load): wcd (reading ahead in 512 KiB WILLNEEDs), wcd-noahead, fastsafetensors; five
 #                                     with the default linger: wcd, wcd-direct-sweep at 512 KiB (fastsafetensors' requests;
 #                                     when it ran, before dd2b441, the reads were 4 MiB), fastsafetensors
+#   bash bench/device_run.sh round12b 1.6 GB / 1k cold, six rounds: wcd, wcd-direct-sweep in O_DIRECT spans of at most
+#                                     512 KiB, wcd-direct-512k (the same spans, ops as usual), fastsafetensors; 16 GB /
+#                                     1k cold, two rounds: wcd and fastsafetensors
+#   bash bench/device_run.sh round12c 16 GB / 1k cold, three more rounds: wcd and fastsafetensors
+#   bash bench/device_run.sh probe12  1.6 GB / 1k cold: read patterns, six rounds rotated (wcd's buffered sweep;
+#                                     fastsafetensors' four O_DIRECT streams of 16 MiB reads into 4 KiB and huge
+#                                     pages; O_DIRECT sweeps), with the disk queue's limits; then wcd and fastsafetensors
 #   bash bench/device_run.sh round12  GPU tests; 1.6 GB / 1k cold, six rounds: wcd, wcd-direct-sweep: 512 KiB O_DIRECT reads, one per op (fastsafetensors'
 #                                     request size, now really), fastsafetensors; 1.6 GB in 16 tensors of 100 MB cold, five
 #                                     rounds: wcd, wcd-chunk16 (large tensors in 16 MiB ops: a sweep), fastsafetensors
@@ -130,6 +137,41 @@ case "${1:-tests}" in
       --loaders wcd,wcd-direct-sweep,fastsafetensors --out "$OUT/ahead10-linger.json" \
       --daemon-log "$OUT/ahead10-daemon-linger.log" 2>&1 | grep '"round"' | cut -c1-300
     grep -h "filled from" "$OUT"/ahead10-daemon*.log | cut -c1-200 ;;
+  round12b)
+    BENCH_SWEEP_BYTES=520192 BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT 260 python3 bench/bench_load.py \
+      --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --cold --cold-reps 6 --reps 1 \
+      --loaders wcd,wcd-direct-sweep,wcd-direct-512k,fastsafetensors --out "$OUT/round12b-1k.json" \
+      --daemon-log "$OUT/round12b-daemon-1k.log" 2>&1 | grep '"round"' | cut -c1-200
+    python3 bench/summarize_load.py "$OUT/round12b-1k.json" | cut -c1-300
+    rm -rf /tmp/wcd-bench-load/1.6gb-*
+    timeout -s INT 230 python3 bench/bench_load.py \
+      --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 16:1000 --cold --cold-reps 2 --reps 1 \
+      --loaders wcd,fastsafetensors --out "$OUT/round12b-16gb.json" \
+      --daemon-log "$OUT/round12b-daemon-16gb.log" 2>&1 | grep '"round"' | cut -c1-200
+    python3 bench/summarize_load.py "$OUT/round12b-16gb.json" | cut -c1-300 ;;
+  round12c)
+    timeout -s INT 280 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 16:1000 --cold \
+      --cold-reps 3 --reps 1 --loaders wcd,fastsafetensors --out "$OUT/round12c-16gb.json" 2>&1 | grep '"round"' | cut -c1-200
+    python3 bench/summarize_load.py "$OUT/round12c-16gb.json" | cut -c1-300 ;;
+  probe12)
+    timeout 200 python3 bench/disk_idle.py --ckpt 1.6:1000 --idle 0 --rounds 6 \
+      --patterns buffered:16:16M,direct:4:16M:streams:4k,direct:4:16M:streams:huge,direct:16:16M:4k,direct:16:16M:huge,direct:16:512K:huge,buffered:4:16M:streams \
+      --out "$OUT/probe12-patterns.json" | cut -c1-330
+    python3 - "$OUT/probe12-patterns.json" <<'PY'
+import json, statistics, sys
+rows = json.load(open(sys.argv[1]))["trials"]
+for p in dict.fromkeys(r["pattern"] for r in rows):
+    rs = [r for r in rows if r["pattern"] == p]
+    g = sorted(r["GBps"] for r in rs)
+    print(f"{p:34} median {statistics.median(g):.3f} GB/s  range {g[0]:.2f}-{g[-1]:.2f}  "
+          f"KiB/req {statistics.median(r['disk'].get('KiB_per_read', 0) for r in rs):.0f}  "
+          f"queue {statistics.median(r['disk'].get('mean_queue', 0) for r in rs):.1f}")
+PY
+    BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT 200 python3 bench/bench_load.py \
+      --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --cold --cold-reps 5 --reps 1 \
+      --loaders wcd,fastsafetensors --out "$OUT/probe12-load.json" \
+      --daemon-log "$OUT/probe12-daemon.log" 2>&1 | grep '"round"' | cut -c1-200
+    python3 bench/summarize_load.py "$OUT/probe12-load.json" | cut -c1-300 ;;
   round12)
     gpu_tests
     BENCH_SWEEP_BYTES=524288 BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT 250 python3 bench/bench_load.py \

@@ -10,8 +10,9 @@ Per trial: drop the page cache, wait `idle` seconds, read the files whole (O_DIR
 threads x `block` bytes, as `bench_load.direct_read`), timing each read's completion. Prints GB/s
 overall, over the first quarter of the bytes and over the last half, and the disk's counters.
 
-With `--patterns`, the same for several read patterns (MODE:READERS:BLOCK[:streams], MODE `direct`
-or `buffered`, BLOCK in K or M; `streams`: each reader its own contiguous slice, front to back),
+With `--patterns`, the same for several read patterns (MODE:READERS:BLOCK[:streams][:4k|:huge], MODE
+`direct` or `buffered`, BLOCK in K or M; `streams`: each reader its own contiguous slice, front to
+back; `4k`/`huge`: the readers' buffers advised against/for transparent huge pages),
 the order rotated each of `--rounds` rounds, after each idle:
 
     python bench/disk_idle.py --ckpt 1.6:1000 --idle 8,0,0,2,8,0 --out disk-idle.json
@@ -37,10 +38,13 @@ from bench_load import disk_delta, disk_stats, drop_caches, write_checkpoint  # 
 
 
 def timed_read(files: list[Path], readers: int, block: int, direct: bool,
-               streams: bool = False) -> list[tuple[float, int]]:
+               streams: bool = False, pages: str = "") -> list[tuple[float, int]]:
     """(seconds since the start, bytes) of each read as it completes, in completion order. The
     readers take the next block in file order (a sweep `readers` blocks wide), or with `streams`
-    each reads its own contiguous `1/readers` of the blocks front to back, one read at a time."""
+    each reads its own contiguous `1/readers` of the blocks front to back, one read at a time.
+    `pages` "4k" or "huge" advises each reader's buffer against or for transparent huge pages: an
+    O_DIRECT read into 4 KiB pages takes a segment per page, so the block layer splits it at
+    max_segments pages (fastsafetensors' bounce buffers showed 500 KiB requests on the H200)."""
     flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
     fds = [os.open(f, flags) for f in files]
     jobs = [(fd, pos) for fd in fds for pos in range(0, os.fstat(fd).st_size // block * block, block)]
@@ -60,6 +64,10 @@ def timed_read(files: list[Path], readers: int, block: int, direct: bool,
         fd, pos = job
         if getattr(local, "buf", None) is None:
             local.buf = mmap.mmap(-1, block)
+            if pages:
+                local.buf.madvise(mmap.MADV_NOHUGEPAGE if pages == "4k" else mmap.MADV_HUGEPAGE)
+            local.buf.write(b"\1" * block)  # fault the pages in before the clock matters
+            local.buf.seek(0)
         n = os.preadv(fd, [local.buf], pos)
         with lock:
             done.append((time.perf_counter() - start, n))
@@ -71,6 +79,25 @@ def timed_read(files: list[Path], readers: int, block: int, direct: bool,
         for fd in fds:
             os.close(fd)
     return done
+
+
+def queue_limits(path: Path) -> dict[str, str]:
+    """The block queue's limits of the disk holding `path` (and transparent huge pages' mode)."""
+    dev = os.stat(path).st_dev
+    base = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    queue = base / "queue" if (base / "queue").exists() else base.resolve().parent / "queue"
+    out = {"disk": base.resolve().name}
+    for name in ("max_sectors_kb", "max_hw_sectors_kb", "max_segments", "max_segment_size", "nr_requests",
+                 "scheduler", "read_ahead_kb", "rotational"):
+        try:
+            out[name] = (queue / name).read_text().strip()
+        except OSError:
+            pass
+    try:
+        out["thp"] = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
+    except OSError:
+        pass
+    return out
 
 
 def rates(done: list[tuple[float, int]]) -> dict[str, float]:
@@ -108,6 +135,8 @@ def main() -> int:
     patterns = (args.patterns or default).split(",")
     idles = [float(x) for x in args.idle.split(",")]
     trials = []
+    queue = queue_limits(files[0])
+    print(json.dumps({"queue": queue}), flush=True)
     for r in range(args.rounds):
         for idle in idles:
             for pattern in patterns[r % len(patterns):] + patterns[: r % len(patterns)]:
@@ -116,13 +145,14 @@ def main() -> int:
                 drop_caches()
                 time.sleep(idle)
                 before = disk_stats(files[0])
-                done = timed_read(files, int(readers), nbytes, mode == "direct", layout == ["streams"])
+                pages = next((x for x in layout if x in ("4k", "huge")), "")
+                done = timed_read(files, int(readers), nbytes, mode == "direct", "streams" in layout, pages)
                 row = {"round": r, "pattern": pattern, "idle_s": idle, **rates(done),
                        "disk": disk_delta(before, disk_stats(files[0]), done[-1][0])}
                 trials.append(row)
                 print(json.dumps(row), flush=True)
     if args.out:
-        args.out.write_text(json.dumps({"trials": trials}, indent=1) + "\n")
+        args.out.write_text(json.dumps({"queue": queue, "trials": trials}, indent=1) + "\n")
     return 0
 
 
