@@ -120,7 +120,7 @@ def test_mixed_runs_land_exactly_through_either_copy(cuda: Any, tmp_path: Path, 
 
 
 def lane_scatter(cuda: Any, lane_bytes: int, data: bytes, runs: tuple[tuple[int, int, int, int], ...],
-                 file_offset: int, tmp_path: Path) -> bytearray:
+                 file_offset: int, tmp_path: Path, read_bytes: int = 0) -> bytearray:
     """One `_Lane.scatter` of `data[file_offset:]` into a fresh device arena; what the arena holds."""
     f = tmp_path / "data"
     f.write_bytes(data)
@@ -129,7 +129,7 @@ def lane_scatter(cuda: Any, lane_bytes: int, data: bytes, runs: tuple[tuple[int,
     lane = cuda._Lane(lane_bytes, 2)
     fd = os.open(f, os.O_RDONLY)
     try:
-        lane.scatter(fd, file_offset, DEVICE_BASE + 256, runs)
+        lane.scatter(fd, file_offset, DEVICE_BASE + 256, runs, read_bytes)
         lane.synchronize()
     finally:
         os.close(fd)
@@ -159,6 +159,34 @@ def test_scatter_puts_every_piece_in_place_and_nothing_between(cuda: Any, tmp_pa
     expected_2d = 0 if lane_bytes < 1000 else sum(1 for _, w, s, c in runs if c > 1 and s != w)
     if lane_bytes >= 1 << 16:  # one buffer: a 2D copy per run of several unpadded rows, else plain copies
         assert cuda.fake.calls.get("2d", 0) == expected_2d
+
+
+@pytest.mark.parametrize("read_bytes", [999, 1000, 4096])
+def test_scatter_reads_at_most_the_files_read_size_from_a_grown_lane(cuda: Any, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     read_bytes: int) -> None:
+    """A pooled lane a cold load grew keeps its large buffers: a later scatter reads the file's own
+    read size at a time (a warm file's 4 MiB, not 16), and still lands every piece."""
+    runs = ((0, 1000, 1024, 3), (3072, 300, 512, 4), (5120, 512, 512, 3))
+    data = random.Random(read_bytes).randbytes(20_000)
+    reads: list[int] = []
+    real = cuda.pread_into
+
+    def pread_into(fd: int, view: memoryview, offset: int) -> None:
+        reads.append(len(view))
+        real(fd, view, offset)
+
+    monkeypatch.setattr(cuda, "pread_into", pread_into)
+    device = lane_scatter(cuda, 1 << 16, data, runs, 7, tmp_path, read_bytes)
+    total = sum(width * count for _, width, _, count in runs)
+    assert reads and max(reads) <= read_bytes and sum(reads) == total
+    want = bytearray([PAD]) * len(device)
+    pos = 7
+    for run in runs:
+        for rel, n in run_pieces(run):
+            want[256 + rel : 256 + rel + n] = data[pos : pos + n]
+            pos += n
+    assert device == want
 
 
 def test_scatter_at_the_end_of_a_file_fails_with_eio(cuda: Any, tmp_path: Path) -> None:

@@ -302,19 +302,20 @@ class _Lane:
         _check(cuda.cuEventSynchronize(self.events[i]), "cuEventSynchronize")
         return self.views[i][:nbytes]
 
-    def scatter(self, fd: int, file_offset: int, dst: int, runs: tuple[Run, ...]) -> None:
+    def scatter(self, fd: int, file_offset: int, dst: int, runs: tuple[Run, ...], read_bytes: int = 0) -> None:
         """Copy a contiguous file range into the pieces of `runs` at device address `dst`: reads of
-        the file as it is (one buffer at a time), and per run one 2D copy (`cuMemcpy2DAsync`: rows
-        of the run's width, at the width's pitch in the buffer and the stride's on the device),
-        which the copy engine scatters. O(runs) Python, not O(tensors). A row that a buffer's end
-        cuts goes in two plain copies."""
+        the file as it is (one buffer at a time, at most `read_bytes` where given: the file's read
+        size, not the 16 MiB an earlier cold load grew a pooled lane to), and per run one 2D copy
+        (`cuMemcpy2DAsync`: rows of the run's width, at the width's pitch in the buffer and the
+        stride's on the device), which the copy engine scatters. O(runs) Python, not O(tensors). A
+        row that a buffer's end cuts goes in two plain copies."""
         total = sum(width * count for _, width, _, count in runs)
         r, row, part = 0, 0, 0  # the run, row and bytes of that row that the next buffer byte goes to
         pos = 0
         while pos < total:
             i, self.turn = self.turn, (self.turn + 1) % len(self.ptrs)
             _check(cuda.cuEventSynchronize(self.events[i]), "cuEventSynchronize")
-            n = min(total - pos, self.nbytes)
+            n = min(total - pos, self.nbytes, read_bytes or self.nbytes)
             pread_into(fd, self.views[i][:n], file_offset + pos)
             src, end = self.ptrs[i], self.ptrs[i] + n
             while src < end:
@@ -698,9 +699,10 @@ class CudaWriter(ArenaWriter):
         copy moves it (`_Lane.gather`); where that cannot be done, `scatter` still can."""
         dst = self._target(arena_offset, nbytes)
         lane = self._lane()
-        lane.fit(self._reads.get(fd, self._staging.warm_read))
+        read_bytes = self._reads.get(fd, self._staging.warm_read)
+        lane.fit(read_bytes)
         if scatter_pays(runs) or not lane.gather(fd, file_offset, dst, nbytes, runs):
-            lane.scatter(fd, file_offset, dst, runs)
+            lane.scatter(fd, file_offset, dst, runs, read_bytes)
 
     def close(self) -> None:
         with self._lock:
