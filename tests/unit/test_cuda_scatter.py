@@ -37,18 +37,20 @@ def gpu(cuda: Any) -> Any:
 
 
 def fill(cuda: Any, path: Path, lane_bytes: int = 4 << 20, batch: int = 4 << 20,
-         workers: int = 3) -> tuple[Checkpoint, Any]:
-    """Fill a CUDA arena (over the fake driver) from `path` with the daemon's loader; the manifest."""
+         workers: int = 3, staging: Any = None) -> tuple[Checkpoint, Any]:
+    """Fill a CUDA arena (over the fake driver) from `path` with the daemon's loader; the manifest.
+    With no `staging` given, one that lingers not at all, released when the fill is done."""
     ckpt = Checkpoint.open(path)
     manifest = ckpt.manifest()
-    staging = cuda.Staging(gpu(cuda), lane_bytes, 2, 0)
+    own = staging is None
+    staging = staging or cuda.Staging(gpu(cuda), lane_bytes, 2, 0)
     arena = cuda.CudaArena(gpu(cuda), manifest.size, object(), os.open(os.devnull, os.O_RDONLY), staging, "test")
     progress = Progress(ckpt.nbytes)
     fill_arena(arena, ckpt, ckpt.copy_plan(manifest, batch=batch), progress, workers=workers)
     arena.close()
     for thread in staging._releasing:  # with no linger, released on a thread after the close
         thread.join(5)
-    assert progress.done == ckpt.nbytes and not staging.held
+    assert progress.done == ckpt.nbytes and (not own or not staging.held)
     return ckpt, manifest
 
 
@@ -250,3 +252,46 @@ def test_cold_files_are_planned_in_cold_reads_and_land_exactly(cuda: Any, tmp_pa
         assert "2d" not in cuda.fake.calls
     assert_landed(cuda, ckpt, manifest)
     ckpt.close()
+
+
+def test_the_writers_debug_line_counts_its_threads_time_in_reads_and_waits(cuda: Any, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """Reads made 20 ms slower show in the line's seconds in reads; the next load, through the
+    same pooled lanes with plain reads, starts its count from zero."""
+    import logging
+    import re
+    import time
+
+    def line() -> tuple[int, float, float]:
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("CUDA writer:")]
+        assert len(lines) == 1, lines
+        caplog.clear()
+        m = re.match(r"CUDA writer: (\d+) loader threads spent ([\d.]+) s in reads and ([\d.]+) s waiting", lines[0])
+        assert m, lines[0]
+        return int(m[1]), float(m[2]), float(m[3])
+
+    save_file(mixed(3), str(tmp_path / "m.safetensors"))
+    real = cuda.pread_into
+    reads: list[int] = []
+
+    def slow(fd: int, view: memoryview, offset: int) -> None:
+        time.sleep(0.02)
+        reads.append(len(view))
+        real(fd, view, offset)
+
+    monkeypatch.setattr(cuda, "scatter_pays", lambda runs: True)  # every op reads through pread_into
+    staging = cuda.Staging(gpu(cuda), 4 << 20, 2, 60.0)  # lanes pooled between the two loads
+    try:
+        with caplog.at_level(logging.DEBUG, logger="wcd"):
+            monkeypatch.setattr(cuda, "pread_into", slow)
+            ckpt, manifest = fill(cuda, tmp_path / "m.safetensors", workers=3, staging=staging)
+            threads, reading, waiting = line()
+            assert 1 <= threads <= 3 and waiting >= 0
+            assert 0.02 * len(reads) <= reading < 0.02 * len(reads) + 1.0, (reading, len(reads))
+            monkeypatch.setattr(cuda, "pread_into", real)
+            fill(cuda, tmp_path / "m.safetensors", workers=3, staging=staging)
+            assert line()[1] < 0.02 * len(reads) / 2  # not the first load's seconds again
+        assert_landed(cuda, ckpt, manifest)
+    finally:
+        staging.release()

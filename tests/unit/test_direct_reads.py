@@ -42,7 +42,7 @@ def direct_file(tmp_path: Path, cuda_module: Any) -> Iterator[tuple[bytes, int, 
 def _host_lane(cuda: Any, monkeypatch: pytest.MonkeyPatch, nbytes: int, device: bytearray) -> Any:
     """A real `_Lane` whose buffers are page-aligned host memory and whose 'device' is `device`."""
     lane = object.__new__(cuda._Lane)
-    lane.nbytes, lane.turn, lane.stream = nbytes, 0, None
+    lane.nbytes, lane.turn, lane.stream, lane.reading, lane.waiting = nbytes, 0, None, 0.0, 0.0
     lane.ptrs, lane.views, lane.events, keep = [], [], [None, None], []
     for _ in range(2):
         raw = (ctypes.c_char * (nbytes + 4096))()

@@ -13,6 +13,7 @@ import errno
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import cache
@@ -202,11 +203,14 @@ def scatter_pays(runs: tuple[Run, ...]) -> bool:
 
 class _Lane:
     """One loader thread's stream and pinned staging buffers, each with an event marking the end of
-    the copy that last used it."""
+    the copy that last used it. `reading` and `waiting` add up the seconds its thread spent in reads
+    and waiting for a buffer's last copy (the writer's debug line: the rest of a loader thread's
+    time is Python around them)."""
 
     def __init__(self, nbytes: int, count: int) -> None:
         self.nbytes = nbytes
         self.turn = 0
+        self.reading = self.waiting = 0.0
         self.ptrs: list[int] = []
         self.views: list[memoryview] = []
         self.events: list[Any] = []
@@ -246,14 +250,28 @@ class _Lane:
         if read_bytes > self.nbytes:
             self._grow(read_bytes)
 
+    def _next(self) -> int:
+        """The next buffer in turn, once the copy that last used it has finished."""
+        i, self.turn = self.turn, (self.turn + 1) % len(self.ptrs)
+        start = time.perf_counter()
+        _check(cuda.cuEventSynchronize(self.events[i]), "cuEventSynchronize")
+        self.waiting += time.perf_counter() - start
+        return i
+
+    def _read(self, read: Callable[..., Any], *args: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return read(*args)
+        finally:
+            self.reading += time.perf_counter() - start
+
     def copy(self, fd: int, file_offset: int, dst: int, nbytes: int, read_bytes: int) -> None:
         """Copy `nbytes` of `fd` to device address `dst`, `read_bytes` per read."""
         self.fit(read_bytes)
         while nbytes:
-            i, self.turn = self.turn, (self.turn + 1) % len(self.ptrs)
-            _check(cuda.cuEventSynchronize(self.events[i]), "cuEventSynchronize")
+            i = self._next()
             n = min(nbytes, read_bytes)
-            pread_into(fd, self.views[i][:n], file_offset)
+            self._read(pread_into, fd, self.views[i][:n], file_offset)
             _check(cuda.cuMemcpyHtoDAsync(dst, self.ptrs[i], n, self.stream), "cuMemcpyHtoDAsync")
             _check(cuda.cuEventRecord(self.events[i], self.stream), "cuEventRecord")
             file_offset, dst, nbytes = file_offset + n, dst + n, nbytes - n
@@ -264,12 +282,11 @@ class _Lane:
         self.fit(read_bytes)
         room = min(read_bytes, self.nbytes) // DIRECT_ALIGN * DIRECT_ALIGN  # whole blocks per read
         while nbytes:
-            i, self.turn = self.turn, (self.turn + 1) % len(self.ptrs)
-            _check(cuda.cuEventSynchronize(self.events[i]), "cuEventSynchronize")
+            i = self._next()
             skip = file_offset % DIRECT_ALIGN
             n = min(nbytes, room - skip)
             span = -(-(skip + n) // DIRECT_ALIGN) * DIRECT_ALIGN
-            _pread_direct(fd, self.views[i][:span], file_offset - skip, skip + n)
+            self._read(_pread_direct, fd, self.views[i][:span], file_offset - skip, skip + n)
             _check(cuda.cuMemcpyHtoDAsync(dst, self.ptrs[i] + skip, n, self.stream), "cuMemcpyHtoDAsync")
             _check(cuda.cuEventRecord(self.events[i], self.stream), "cuEventRecord")
             file_offset, dst, nbytes = file_offset + n, dst + n, nbytes - n
@@ -280,12 +297,11 @@ class _Lane:
         does not fit one buffer or the read came up short."""
         if nbytes > self.nbytes:
             return False
-        i, self.turn = self.turn, (self.turn + 1) % len(self.ptrs)
-        _check(cuda.cuEventSynchronize(self.events[i]), "cuEventSynchronize")
+        i = self._next()
         staging = self.views[i]
         want = sum(width * count for _, width, _, count in runs)
-        got = os.preadv(fd, [staging[at : at + width] for rel, width, stride, count in runs
-                             for at in range(rel, rel + stride * count, stride)], file_offset)
+        got = self._read(os.preadv, fd, [staging[at : at + width] for rel, width, stride, count in runs
+                                         for at in range(rel, rel + stride * count, stride)], file_offset)
         if got != want:  # short only at end of file, or a file that shrank: let the caller redo it
             return False
         _check(cuda.cuMemcpyHtoDAsync(dst, self.ptrs[i], nbytes, self.stream), "cuMemcpyHtoDAsync")
@@ -313,10 +329,9 @@ class _Lane:
         r, row, part = 0, 0, 0  # the run, row and bytes of that row that the next buffer byte goes to
         pos = 0
         while pos < total:
-            i, self.turn = self.turn, (self.turn + 1) % len(self.ptrs)
-            _check(cuda.cuEventSynchronize(self.events[i]), "cuEventSynchronize")
+            i = self._next()
             n = min(total - pos, self.nbytes, read_bytes or self.nbytes)
-            pread_into(fd, self.views[i][:n], file_offset + pos)
+            self._read(pread_into, fd, self.views[i][:n], file_offset + pos)
             src, end = self.ptrs[i], self.ptrs[i] + n
             while src < end:
                 rel, width, stride, count = runs[r]
@@ -668,6 +683,7 @@ class CudaWriter(ArenaWriter):
         lane: _Lane | None = getattr(self._local, "lane", None)
         if lane is None:
             lane = self._local.lane = self._staging.take()
+            lane.reading = lane.waiting = 0.0  # pooled lanes carry an earlier load's
             with self._lock:
                 self._lanes.append(lane)
         return lane
@@ -720,6 +736,10 @@ class CudaWriter(ArenaWriter):
                         lane.synchronize()
                     except Exception as e:  # noqa: BLE001 - its copies failed: closed below, never pooled
                         failed.append((lane, e))
+                if lanes:
+                    log.debug("CUDA writer: %d loader threads spent %.3f s in reads and %.3f s waiting for a "
+                              "buffer's last copy (thread-seconds; the rest of their time was Python around them)",
+                              len(lanes), sum(lane.reading for lane in lanes), sum(lane.waiting for lane in lanes))
                 bad = [lane for lane, _ in failed]
                 self._staging.give([lane for lane in lanes if lane not in bad])
                 _cleanup(self._map.close, *(lane.close for lane in bad))
