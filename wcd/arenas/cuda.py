@@ -204,8 +204,8 @@ def scatter_pays(runs: tuple[Run, ...]) -> bool:
 class _Lane:
     """One loader thread's stream and pinned staging buffers, each with an event marking the end of
     the copy that last used it. `reading` and `waiting` add up the seconds its thread spent in reads
-    and waiting for a buffer's last copy (the writer's debug line: the rest of a loader thread's
-    time is Python around them)."""
+    and waiting for a buffer's last copy: the writer's debug line, whose sum against the loader
+    threads' time in the copy phase leaves the work around them (driver calls, Python, hand-offs)."""
 
     def __init__(self, nbytes: int, count: int) -> None:
         self.nbytes = nbytes
@@ -738,7 +738,7 @@ class CudaWriter(ArenaWriter):
                         failed.append((lane, e))
                 if lanes:
                     log.debug("CUDA writer: %d loader threads spent %.3f s in reads and %.3f s waiting for a "
-                              "buffer's last copy (thread-seconds; the rest of their time was Python around them)",
+                              "buffer's last copy (thread-seconds, against the threads times the copy phase)",
                               len(lanes), sum(lane.reading for lane in lanes), sum(lane.waiting for lane in lanes))
                 bad = [lane for lane, _ in failed]
                 self._staging.give([lane for lane in lanes if lane not in bad])
