@@ -331,7 +331,9 @@ def main() -> int:
         # "wcd-noahead" reads nothing ahead while its writer is being made (`loader.READ_AHEAD_BYTES`
         # = 0); "wcd-chunk16" copies tensors larger than a read in 16 MiB ops (`checkpoint.CHUNK_BYTES`),
         # not 64 MiB: a sweep of 16 MiB reads across large tensors too; "wcd-direct-512k" reads cold
-        # files with O_DIRECT in spans of at most 512 KiB (fastsafetensors' block) within ops as usual.
+        # files with O_DIRECT in spans of at most 512 KiB (fastsafetensors' block), in ops of that size
+        # or one tensor; "wcd-direct-tiled" the same spans within ops of 16 MiB as usual (equal reads
+        # across tensors, as fastsafetensors tiles a file).
         # Tensors larger than a sweep's read are copied in ops of one read too (`checkpoint.CHUNK_BYTES`):
         # the loader threads then take the file one read at a time, in order, whatever the tensors.
         # A read has room for one more block: an op that starts inside a block is still one O_DIRECT read.
@@ -341,7 +343,8 @@ def main() -> int:
             "wcd": ("buffered", {}), "wcd-direct": ("direct", {}), "wcd-sweep": ("buffered", sweep),
             "wcd-direct-sweep": ("direct", sweep), "wcd-noahead": ("buffered", {"wcd.loader.READ_AHEAD_BYTES": 0}),
             "wcd-chunk16": ("buffered", {"wcd.checkpoint.CHUNK_BYTES": 16 << 20}),
-            "wcd-direct-512k": ("direct", {"wcd.arenas.cuda.COLD_READ_BYTES": 512 << 10})}
+            "wcd-direct-512k": ("direct", {"wcd.arenas.cuda.COLD_READ_BYTES": 512 << 10}),
+            "wcd-direct-tiled": ("direct", {"wcd.arenas.cuda.DIRECT_READ_BYTES": 512 << 10})}
         daemons = {name: Daemon(Path(tmp) / name, args.device, *variant)
                    for name, variant in variants.items() if name in loaders}
         try:

@@ -37,8 +37,9 @@
 #   bash bench/device_run.sh round12b 1.6 GB / 1k cold, six rounds: wcd, wcd-direct-sweep in O_DIRECT spans of at most
 #                                     512 KiB, wcd-direct-512k (the same spans, ops as usual), fastsafetensors; 16 GB /
 #                                     1k cold, two rounds: wcd and fastsafetensors
-#   bash bench/device_run.sh round13  GPU tests; 1.6 GB / 1k cold, six rounds: wcd, wcd-direct-512k, fastsafetensors, with
-#                                     the writer's debug line (its threads' seconds in reads and in waits for copies)
+#   bash bench/device_run.sh round13  GPU tests; 1.6 GB / 1k cold, six rounds: wcd, wcd-direct-tiled (16 MiB ops in
+#                                     512 KiB O_DIRECT reads), wcd-direct-512k, fastsafetensors, with the writer's
+#                                     debug line (its threads' seconds in reads and in waits for copies)
 #   bash bench/device_run.sh round12c 16 GB / 1k cold, three more rounds: wcd and fastsafetensors
 #   bash bench/device_run.sh probe12  1.6 GB / 1k cold: read patterns, six rounds rotated (wcd's buffered sweep;
 #                                     fastsafetensors' four O_DIRECT streams of 16 MiB reads into 4 KiB and huge
@@ -153,9 +154,9 @@ case "${1:-tests}" in
     python3 bench/summarize_load.py "$OUT/round12b-16gb.json" | cut -c1-300 ;;
   round13)
     gpu_tests
-    BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT 250 python3 bench/bench_load.py \
+    BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT 330 python3 bench/bench_load.py \
       --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --cold --cold-reps 6 --reps 1 \
-      --loaders wcd,wcd-direct-512k,fastsafetensors --out "$OUT/round13-1k.json" \
+      --loaders wcd,wcd-direct-tiled,wcd-direct-512k,fastsafetensors --out "$OUT/round13-1k.json" \
       --daemon-log "$OUT/round13-daemon-1k.log" 2>&1 | grep '"round"' | cut -c1-200
     python3 bench/summarize_load.py "$OUT/round13-1k.json" | cut -c1-300
     grep -h "filled from\|CUDA writer:" "$OUT"/round13-daemon*.log | cut -c1-220 ;;

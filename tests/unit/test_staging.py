@@ -425,6 +425,24 @@ def test_cold_reads_direct_by_config_go_through_an_o_direct_descriptor_closed_wi
     writer_parts.staging.release()
 
 
+def test_direct_reads_span_at_most_direct_read_bytes_in_ops_of_the_cold_read_size(
+        cuda: Any, writer_parts: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lower DIRECT_READ_BYTES tiles ops in smaller O_DIRECT reads; the ops stay COLD_READ_BYTES."""
+    import os
+
+    monkeypatch.setattr(cuda, "DIRECT_READ_BYTES", 512 << 10)
+    writer_parts.staging.direct_reads = True
+    (cold,) = _open_fds(tmp_path, 1)
+    w = cuda.CudaWriter(writer_parts.arena, writer_parts.staging)
+    w.hint(cold, 0.0)
+    assert w.batch_bytes(cold) == cuda.COLD_READ_BYTES == 16 << 20
+    w.copy_from_file(cold, 0, 0, 4096)
+    assert writer_parts.copies == [("direct", os.fstat(cold).st_ino, 4096, 512 << 10)]
+    w.close()
+    os.close(cold)
+    writer_parts.staging.release()
+
+
 def test_a_file_system_that_refuses_o_direct_is_read_buffered_and_said_once(
         cuda: Any, writer_parts: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:

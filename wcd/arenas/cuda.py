@@ -48,6 +48,10 @@ WARM_FRACTION = 0.9  # a file with at least this much in the page cache is read 
 # refuses it. Not the default: on the H200 machines buffered reads were faster (16 GB: 10.24 s
 # against 11.77 s in one run). 4096 covers 512-byte and 4K logical blocks.
 DIRECT_ALIGN = 4096
+# The most one O_DIRECT read spans; ops are still up to COLD_READ_BYTES (`CudaWriter.batch_bytes`),
+# so a lower value tiles each op in equal reads across its tensors. Benchmarks set 512 KiB, the
+# blocks fastsafetensors reads (its nogds reader: a 16 MiB bounce budget over 16 threads x 2).
+DIRECT_READ_BYTES = COLD_READ_BYTES
 DROP_FRACTION = 0.02  # below this (the header and fingerprint samples this load read), it was not cached
 # Lanes (a stream and its pinned buffers) kept per GPU between loads, and for how long after the
 # last load by default; `configure` sets the latter from the daemon's config.
@@ -704,7 +708,7 @@ class CudaWriter(ArenaWriter):
         read_bytes = self._reads.get(fd, self._staging.warm_read)
         direct = self._direct.get(fd)
         if direct is not None:
-            self._lane().copy_direct(direct, file_offset, dst, nbytes, read_bytes)
+            self._lane().copy_direct(direct, file_offset, dst, nbytes, min(read_bytes, DIRECT_READ_BYTES))
         else:
             self._lane().copy(fd, file_offset, dst, nbytes, read_bytes)
 
