@@ -333,7 +333,7 @@ def main() -> int:
         # not 64 MiB: a sweep of 16 MiB reads across large tensors too; "wcd-direct-512k" reads cold
         # files with O_DIRECT in spans of at most 512 KiB (fastsafetensors' block), in ops of that size
         # or one tensor; "wcd-direct-tiled" the same spans within ops of 16 MiB as usual (equal reads
-        # across tensors, as fastsafetensors tiles a file).
+        # across tensors on a grid that starts again at each op; fastsafetensors' grid spans the file).
         # Tensors larger than a sweep's read are copied in ops of one read too (`checkpoint.CHUNK_BYTES`):
         # the loader threads then take the file one read at a time, in order, whatever the tensors.
         # A read has room for one more block: an op that starts inside a block is still one O_DIRECT read.

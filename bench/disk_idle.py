@@ -22,6 +22,7 @@ the order rotated each of `--rounds` rounds, after each idle:
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import mmap
 import os
@@ -38,14 +39,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_load import disk_delta, disk_stats, drop_caches, write_checkpoint  # noqa: E402
 
 
+def anon_huge_kib() -> int:
+    """Anonymous memory this process holds in transparent huge pages, KiB."""
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+
 def timed_read(files: list[Path], readers: int, block: int, direct: bool,
-               streams: bool = False, pages: str = "") -> list[tuple[float, int]]:
-    """(seconds since the start, bytes) of each read as it completes, in completion order. The
+               streams: bool = False, pages: str = "") -> tuple[list[tuple[float, int]], int]:
+    """(seconds since the start, bytes) of each read as it completes, in completion order, and the
+    KiB of huge pages the process held once the readers' buffers were faulted in. The
     readers take the next block in file order (a sweep `readers` blocks wide), or with `streams`
     each reads its own contiguous `1/readers` of the blocks front to back, one read at a time.
-    `pages` "4k" or "huge" advises each reader's buffer against or for transparent huge pages: an
-    O_DIRECT read into scattered 4 KiB pages takes a segment per page, and the block layer splits
-    requests at `max_segments` (on the H200, 16 MiB reads gave ~900 KiB requests either way)."""
+    `pages` "4k" or "huge" advises each reader's buffer against or for transparent huge pages (a
+    "huge" buffer starts on a 2 MiB boundary; one under 2 MiB cannot get a huge page): an O_DIRECT
+    read into scattered 4 KiB pages takes a segment per page, and the block layer splits requests
+    at `max_segments` (on the H200, 16 MiB reads gave ~900 KiB requests either way)."""
     flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
     fds = [os.open(f, flags) for f in files]
     jobs = [(fd, pos) for fd in fds for pos in range(0, os.fstat(fd).st_size // block * block, block)]
@@ -59,13 +70,19 @@ def timed_read(files: list[Path], readers: int, block: int, direct: bool,
     local = threading.local()
     done: list[tuple[float, int]] = []
     lock = threading.Lock()
-    bufs: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
+    bufs: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
+    maps = []
     for _ in range(readers):  # a buffer per reader, its pages faulted in before the clock starts
-        buf = mmap.mmap(-1, block)
+        huge = 2 << 20 if pages == "huge" else 0
+        m = mmap.mmap(-1, block + huge)
         if pages:
-            buf.madvise(mmap.MADV_NOHUGEPAGE if pages == "4k" else mmap.MADV_HUGEPAGE)
-        buf.write(b"\1" * block)
+            m.madvise(mmap.MADV_NOHUGEPAGE if pages == "4k" else mmap.MADV_HUGEPAGE)
+        maps.append(m)
+        at = -ctypes.addressof(ctypes.c_char.from_buffer(m)) % huge if huge else 0
+        buf = memoryview(m)[at : at + block]
+        buf[:] = b"\1" * block
         bufs.put(buf)
+    held = anon_huge_kib()
     start = time.perf_counter()
 
     def one(job: tuple[int, int]) -> None:
@@ -82,7 +99,7 @@ def timed_read(files: list[Path], readers: int, block: int, direct: bool,
     finally:
         for fd in fds:
             os.close(fd)
-    return done
+    return done, held
 
 
 def queue_limits(path: Path) -> dict[str, str]:
@@ -137,10 +154,17 @@ def main() -> int:
     files = write_checkpoint(args.dir / f"{gb}gb-{tensors}", int(float(gb) * 1e9), int(tensors), 4)
     default = f"{'buffered' if args.buffered else 'direct'}:{args.readers}:{args.block_mib}M"
     patterns = (args.patterns or default).split(",")
+    for pattern in patterns:  # all checked before the first trial, not when its turn comes
+        mode, *rest = pattern.split(":")
+        unknown = ([] if mode in ("direct", "buffered") else [mode]) + \
+            [x for x in rest[2:] if x not in ("streams", "4k", "huge")]
+        if len(rest) < 2 or unknown:
+            sys.exit(f"disk_idle: {pattern}: not MODE:READERS:BLOCK[:streams][:4k|:huge] (MODE direct or "
+                     f"buffered){': unknown ' + ', '.join(unknown) if unknown else ''}")
     idles = [float(x) for x in args.idle.split(",")]
     trials = []
-    queue = queue_limits(files[0])
-    print(json.dumps({"queue": queue}), flush=True)
+    limits = queue_limits(files[0])
+    print(json.dumps({"queue": limits}), flush=True)
     for r in range(args.rounds):
         for idle in idles:
             for pattern in patterns[r % len(patterns):] + patterns[: r % len(patterns)]:
@@ -150,13 +174,13 @@ def main() -> int:
                 time.sleep(idle)
                 before = disk_stats(files[0])
                 pages = next((x for x in layout if x in ("4k", "huge")), "")
-                done = timed_read(files, int(readers), nbytes, mode == "direct", "streams" in layout, pages)
-                row = {"round": r, "pattern": pattern, "idle_s": idle, **rates(done),
+                done, held = timed_read(files, int(readers), nbytes, mode == "direct", "streams" in layout, pages)
+                row = {"round": r, "pattern": pattern, "idle_s": idle, **rates(done), "anon_huge_KiB": held,
                        "disk": disk_delta(before, disk_stats(files[0]), done[-1][0])}
                 trials.append(row)
                 print(json.dumps(row), flush=True)
     if args.out:
-        args.out.write_text(json.dumps({"queue": queue, "trials": trials}, indent=1) + "\n")
+        args.out.write_text(json.dumps({"queue": limits, "trials": trials}, indent=1) + "\n")
     return 0
 
 

@@ -42,7 +42,8 @@ def direct_file(tmp_path: Path, cuda_module: Any) -> Iterator[tuple[bytes, int, 
 def _host_lane(cuda: Any, monkeypatch: pytest.MonkeyPatch, nbytes: int, device: bytearray) -> Any:
     """A real `_Lane` whose buffers are page-aligned host memory and whose 'device' is `device`."""
     lane = object.__new__(cuda._Lane)
-    lane.nbytes, lane.turn, lane.stream, lane.reading, lane.waiting = nbytes, 0, None, 0.0, 0.0
+    lane.nbytes, lane.turn, lane.stream = nbytes, 0, None
+    lane.reading = lane.waiting = lane.pinning = 0.0
     lane.ptrs, lane.views, lane.events, keep = [], [], [None, None], []
     for _ in range(2):
         raw = (ctypes.c_char * (nbytes + 4096))()
@@ -71,6 +72,7 @@ def _host_lane(cuda: Any, monkeypatch: pytest.MonkeyPatch, nbytes: int, device: 
     (12345, (1 << 20) + 1, 1 << 20),  # neither end aligned, the last read one byte
     ((8 << 20) - 100, 1334, 1 << 20),  # up to the end of the file (a short, unaligned last read)
     (1, 1, 1 << 20),
+    (4095, 9000, 1000),  # a read size under one block still reads whole blocks (it looped forever)
 ])
 def test_direct_copies_put_every_byte_where_it_belongs(cuda_module: Any, monkeypatch: pytest.MonkeyPatch,
                                                        direct_file: tuple[bytes, int, int], offset: int,

@@ -48,10 +48,11 @@ WARM_FRACTION = 0.9  # a file with at least this much in the page cache is read 
 # refuses it. Not the default: on the H200 machines buffered reads were faster (16 GB: 10.24 s
 # against 11.77 s in one run). 4096 covers 512-byte and 4K logical blocks.
 DIRECT_ALIGN = 4096
-# The most one O_DIRECT read spans; ops are still up to COLD_READ_BYTES (`CudaWriter.batch_bytes`),
-# so a lower value tiles each op in equal reads across its tensors. Benchmarks set 512 KiB, the
-# blocks fastsafetensors reads (its nogds reader: a 16 MiB bounce budget over 16 threads x 2).
-DIRECT_READ_BYTES = COLD_READ_BYTES
+# At most this much in one O_DIRECT read (0: a whole read size, COLD_READ_BYTES). Ops stay up to the
+# read size (`CudaWriter.batch_bytes`), so a lower value reads each op in equal spans across its
+# tensors, on a grid that starts again at each op. Benchmarks set 512 KiB, the blocks fastsafetensors
+# reads (its nogds reader: a 16 MiB bounce budget over 16 threads x 2) on one grid across the file.
+DIRECT_READ_BYTES = 0
 DROP_FRACTION = 0.02  # below this (the header and fingerprint samples this load read), it was not cached
 # Lanes (a stream and its pinned buffers) kept per GPU between loads, and for how long after the
 # last load by default; `configure` sets the latter from the daemon's config.
@@ -207,14 +208,15 @@ def scatter_pays(runs: tuple[Run, ...]) -> bool:
 
 class _Lane:
     """One loader thread's stream and pinned staging buffers, each with an event marking the end of
-    the copy that last used it. `reading` and `waiting` add up the seconds its thread spent in reads
-    and waiting for a buffer's last copy: the writer's debug line, whose sum against the loader
-    threads' time in the copy phase leaves the work around them (driver calls, Python, hand-offs)."""
+    the copy that last used it. `reading`, `waiting` and `pinning` add up the seconds its thread spent
+    in reads, waiting for a buffer's last copy and pinning larger buffers: the writer's debug line,
+    whose sum against the loader threads' time in the copy phase leaves the work around them
+    (driver calls, Python, hand-offs)."""
 
     def __init__(self, nbytes: int, count: int) -> None:
         self.nbytes = nbytes
         self.turn = 0
-        self.reading = self.waiting = 0.0
+        self.reading = self.waiting = self.pinning = 0.0
         self.ptrs: list[int] = []
         self.views: list[memoryview] = []
         self.events: list[Any] = []
@@ -243,6 +245,13 @@ class _Lane:
 
     def _grow(self, nbytes: int) -> None:
         """Replace the buffers with larger ones (pinning costs ~0.4 s per GiB: only cold reads need it)."""
+        start = time.perf_counter()
+        try:
+            self._regrow(nbytes)
+        finally:
+            self.pinning += time.perf_counter() - start
+
+    def _regrow(self, nbytes: int) -> None:
         self.synchronize()
         views, ptrs, self.views, self.ptrs = self.views, self.ptrs, [], []
         _cleanup(*(v.release for v in views),
@@ -282,9 +291,11 @@ class _Lane:
 
     def copy_direct(self, fd: int, file_offset: int, dst: int, nbytes: int, read_bytes: int) -> None:
         """`copy` through an O_DIRECT descriptor: each read covers whole DIRECT_ALIGN blocks around
-        the wanted bytes, and the device copy starts at the first wanted byte in the buffer."""
+        the wanted bytes (at least one block, whatever `read_bytes` says), and the device copy
+        starts at the first wanted byte in the buffer."""
+        read_bytes = max(read_bytes, DIRECT_ALIGN)
         self.fit(read_bytes)
-        room = min(read_bytes, self.nbytes) // DIRECT_ALIGN * DIRECT_ALIGN  # whole blocks per read
+        room = min(read_bytes, self.nbytes) // DIRECT_ALIGN * DIRECT_ALIGN  # whole blocks per read, >= 1
         while nbytes:
             i = self._next()
             skip = file_offset % DIRECT_ALIGN
@@ -322,10 +333,10 @@ class _Lane:
         _check(cuda.cuEventSynchronize(self.events[i]), "cuEventSynchronize")
         return self.views[i][:nbytes]
 
-    def scatter(self, fd: int, file_offset: int, dst: int, runs: tuple[Run, ...], read_bytes: int = 0) -> None:
+    def scatter(self, fd: int, file_offset: int, dst: int, runs: tuple[Run, ...], read_bytes: int) -> None:
         """Copy a contiguous file range into the pieces of `runs` at device address `dst`: reads of
-        the file as it is (one buffer at a time, at most `read_bytes` where given: the file's read
-        size, not the 16 MiB an earlier cold load grew a pooled lane to), and per run one 2D copy
+        the file as it is (one buffer at a time, at most `read_bytes` unless 0: the file's read size,
+        not the 16 MiB an earlier cold load grew a pooled lane to), and per run one 2D copy
         (`cuMemcpy2DAsync`: rows of the run's width, at the width's pitch in the buffer and the
         stride's on the device), which the copy engine scatters. O(runs) Python, not O(tensors). A
         row that a buffer's end cuts goes in two plain copies."""
@@ -687,7 +698,7 @@ class CudaWriter(ArenaWriter):
         lane: _Lane | None = getattr(self._local, "lane", None)
         if lane is None:
             lane = self._local.lane = self._staging.take()
-            lane.reading = lane.waiting = 0.0  # pooled lanes carry an earlier load's
+            lane.reading = lane.waiting = lane.pinning = 0.0  # pooled lanes carry an earlier load's
             with self._lock:
                 self._lanes.append(lane)
         return lane
@@ -708,7 +719,7 @@ class CudaWriter(ArenaWriter):
         read_bytes = self._reads.get(fd, self._staging.warm_read)
         direct = self._direct.get(fd)
         if direct is not None:
-            self._lane().copy_direct(direct, file_offset, dst, nbytes, min(read_bytes, DIRECT_READ_BYTES))
+            self._lane().copy_direct(direct, file_offset, dst, nbytes, min(read_bytes, DIRECT_READ_BYTES or read_bytes))
         else:
             self._lane().copy(fd, file_offset, dst, nbytes, read_bytes)
 
@@ -741,9 +752,10 @@ class CudaWriter(ArenaWriter):
                     except Exception as e:  # noqa: BLE001 - its copies failed: closed below, never pooled
                         failed.append((lane, e))
                 if lanes:
-                    log.debug("CUDA writer: %d loader threads spent %.3f s in reads and %.3f s waiting for a "
-                              "buffer's last copy (thread-seconds, against the threads times the copy phase)",
-                              len(lanes), sum(lane.reading for lane in lanes), sum(lane.waiting for lane in lanes))
+                    log.debug("CUDA writer: %d loader threads spent %.3f s in reads, %.3f s waiting for a buffer's "
+                              "last copy and %.3f s pinning larger buffers (thread-seconds, against the threads "
+                              "times the copy phase)", len(lanes), sum(lane.reading for lane in lanes),
+                              sum(lane.waiting for lane in lanes), sum(lane.pinning for lane in lanes))
                 bad = [lane for lane, _ in failed]
                 self._staging.give([lane for lane in lanes if lane not in bad])
                 _cleanup(self._map.close, *(lane.close for lane in bad))
