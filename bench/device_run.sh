@@ -119,6 +119,13 @@ gpu_tests() {  # the GPU tests, their log in $OUT
   timeout 150 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" \
     | grep -E "FAILED|ERROR|passed|failed" | cut -c1-300
 }
+cold_load() {  # NAME TIMEOUT GB:TENSORS ROUNDS LOADERS: a cold bench_load run (NAME.json, NAME-daemon.log at
+  # debug level in $OUT), its rounds' lines and its summary; environment set before the call reaches it
+  BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT "$2" python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load \
+    --ckpt "$3" --cold --cold-reps "$4" --reps 1 --loaders "$5" --out "$OUT/$1.json" \
+    --daemon-log "$OUT/$1-daemon.log" 2>&1 | grep '"round"' | cut -c1-200
+  python3 bench/summarize_load.py "$OUT/$1.json" | cut -c1-300
+}
 cold_settled() {  # ROUNDS TIMEOUT PREFIX: 1.6 GB / 1k cold, wcd and fastsafetensors, settled 0 s and 8 s after each drop
   for settle in 0 8; do
     BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT "$2" python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load \
@@ -141,29 +148,15 @@ case "${1:-tests}" in
       --daemon-log "$OUT/ahead10-daemon-linger.log" 2>&1 | grep '"round"' | cut -c1-300
     grep -h "filled from" "$OUT"/ahead10-daemon*.log | cut -c1-200 ;;
   round12b)
-    BENCH_SWEEP_BYTES=520192 BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT 260 python3 bench/bench_load.py \
-      --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --cold --cold-reps 6 --reps 1 \
-      --loaders wcd,wcd-direct-sweep,wcd-direct-512k,fastsafetensors --out "$OUT/round12b-1k.json" \
-      --daemon-log "$OUT/round12b-daemon-1k.log" 2>&1 | grep '"round"' | cut -c1-200
-    python3 bench/summarize_load.py "$OUT/round12b-1k.json" | cut -c1-300
+    BENCH_SWEEP_BYTES=520192 cold_load round12b-1k 260 1.6:1000 6 wcd,wcd-direct-sweep,wcd-direct-512k,fastsafetensors
     rm -rf /tmp/wcd-bench-load/1.6gb-*
-    timeout -s INT 230 python3 bench/bench_load.py \
-      --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 16:1000 --cold --cold-reps 2 --reps 1 \
-      --loaders wcd,fastsafetensors --out "$OUT/round12b-16gb.json" \
-      --daemon-log "$OUT/round12b-daemon-16gb.log" 2>&1 | grep '"round"' | cut -c1-200
-    python3 bench/summarize_load.py "$OUT/round12b-16gb.json" | cut -c1-300 ;;
+    cold_load round12b-16gb 230 16:1000 2 wcd,fastsafetensors ;;
   round13)
     gpu_tests
-    BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT 330 python3 bench/bench_load.py \
-      --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --cold --cold-reps 6 --reps 1 \
-      --loaders wcd,wcd-direct-tiled,wcd-direct-512k,fastsafetensors --out "$OUT/round13-1k.json" \
-      --daemon-log "$OUT/round13-daemon-1k.log" 2>&1 | grep '"round"' | cut -c1-200
-    python3 bench/summarize_load.py "$OUT/round13-1k.json" | cut -c1-300
-    grep -h "filled from\|CUDA writer:" "$OUT"/round13-daemon*.log | cut -c1-220 ;;
+    cold_load round13-1k 330 1.6:1000 6 wcd,wcd-direct-tiled,wcd-direct-512k,fastsafetensors
+    grep -h "filled from\|CUDA writer:" "$OUT"/round13-*daemon*.log | cut -c1-220 ;;
   round12c)
-    timeout -s INT 280 python3 bench/bench_load.py --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 16:1000 --cold \
-      --cold-reps 3 --reps 1 --loaders wcd,fastsafetensors --out "$OUT/round12c-16gb.json" 2>&1 | grep '"round"' | cut -c1-200
-    python3 bench/summarize_load.py "$OUT/round12c-16gb.json" | cut -c1-300 ;;
+    cold_load round12c-16gb 280 16:1000 3 wcd,fastsafetensors ;;
   probe12)
     timeout 200 python3 bench/disk_idle.py --ckpt 1.6:1000 --idle 0 --rounds 6 \
       --patterns buffered:16:16M,direct:4:16M:streams:4k,direct:4:16M:streams:huge,direct:16:16M:4k,direct:16:16M:huge,direct:16:512K:huge,buffered:4:16M:streams \
@@ -178,23 +171,12 @@ for p in dict.fromkeys(r["pattern"] for r in rows):
           f"KiB/req {statistics.median(r['disk'].get('KiB_per_read', 0) for r in rs):.0f}  "
           f"queue {statistics.median(r['disk'].get('mean_queue', 0) for r in rs):.1f}")
 PY
-    BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT 200 python3 bench/bench_load.py \
-      --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --cold --cold-reps 5 --reps 1 \
-      --loaders wcd,fastsafetensors --out "$OUT/probe12-load.json" \
-      --daemon-log "$OUT/probe12-daemon.log" 2>&1 | grep '"round"' | cut -c1-200
-    python3 bench/summarize_load.py "$OUT/probe12-load.json" | cut -c1-300 ;;
+    cold_load probe12-load 200 1.6:1000 5 wcd,fastsafetensors ;;
   round12)
     gpu_tests
-    BENCH_SWEEP_BYTES=524288 BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT 250 python3 bench/bench_load.py \
-      --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:1000 --cold --cold-reps 6 --reps 1 \
-      --loaders wcd,wcd-direct-sweep,fastsafetensors --out "$OUT/round12-512k.json" \
-      --daemon-log "$OUT/round12-daemon-512k.log" 2>&1 | grep '"round"' | cut -c1-200
-    BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT 220 python3 bench/bench_load.py \
-      --device cuda:0 --dir /tmp/wcd-bench-load --ckpt 1.6:16 --cold --cold-reps 5 --reps 1 \
-      --loaders wcd,wcd-chunk16,fastsafetensors --out "$OUT/round12-large.json" \
-      --daemon-log "$OUT/round12-daemon-large.log" 2>&1 | grep '"round"' | cut -c1-200
-    for f in "$OUT"/round12-*.json; do python3 bench/summarize_load.py "$f" | cut -c1-300; done
-    grep -h "filled from" "$OUT"/round12-daemon*.log | cut -c1-200 ;;
+    BENCH_SWEEP_BYTES=524288 cold_load round12-512k 250 1.6:1000 6 wcd,wcd-direct-sweep,fastsafetensors
+    cold_load round12-large 220 1.6:16 5 wcd,wcd-chunk16,fastsafetensors
+    grep -h "filled from" "$OUT"/round12-*daemon*.log | cut -c1-200 ;;
   round11)
     gpu_tests
     BENCH_DAEMON_CONFIG="staging_linger_s = 0" BENCH_DAEMON_LOG_LEVEL=debug timeout -s INT 150 python3 bench/bench_load.py \
