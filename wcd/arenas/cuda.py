@@ -247,16 +247,13 @@ class _Lane:
         """Replace the buffers with larger ones (pinning costs ~0.4 s per GiB: only cold reads need it)."""
         start = time.perf_counter()
         try:
-            self._regrow(nbytes)
+            self.synchronize()
+            views, ptrs, self.views, self.ptrs = self.views, self.ptrs, [], []
+            _cleanup(*(v.release for v in views),
+                     *(lambda p=p: _check(cuda.cuMemFreeHost(p), "cuMemFreeHost") for p in ptrs))
+            self._pin(nbytes, len(self.events))
         finally:
             self.pinning += time.perf_counter() - start
-
-    def _regrow(self, nbytes: int) -> None:
-        self.synchronize()
-        views, ptrs, self.views, self.ptrs = self.views, self.ptrs, [], []
-        _cleanup(*(v.release for v in views),
-                 *(lambda p=p: _check(cuda.cuMemFreeHost(p), "cuMemFreeHost") for p in ptrs))
-        self._pin(nbytes, len(self.events))
 
     def fit(self, read_bytes: int) -> None:
         """Buffers of at least `read_bytes` (grown at a lane's first cold read)."""
