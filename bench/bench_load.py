@@ -244,14 +244,14 @@ def pinned_h2d(device: str) -> float:
 
 class Daemon:
     def __init__(self, root: Path, device: str, cold_reads: str = "buffered",
-                 sets: dict[str, int] | None = None) -> None:
+                 sets: dict[str, int] | None = None, config_lines: str = "") -> None:
         root.mkdir(exist_ok=True)
         self.socket = root / "wcd.sock"
         config = root / "wcd.toml"
         budget = '"90%"' if device != "cpu" else '"80%"'
         extra = os.environ.get("BENCH_DAEMON_CONFIG", "").replace(";", "\n")  # e.g. "load_workers = 4"
         config.write_text(f'[daemon]\nsocket = "{self.socket}"\nbudget = {{ "{device}" = {budget} }}\n'
-                          f'cold_reads = "{cold_reads}"\n{extra}\n')
+                          f'cold_reads = "{cold_reads}"\n{config_lines}\n{extra}\n')
         self.last_disk: list[str] = []  # the disk's counters as the last load's clock started and stopped
         self.log = open(root / "daemon.log", "wb")
         # `sets` (experiments, no config knobs): module constants set before the daemon starts,
@@ -333,18 +333,28 @@ def main() -> int:
         # not 64 MiB: a sweep of 16 MiB reads across large tensors too; "wcd-direct-512k" reads cold
         # files with O_DIRECT in spans of at most 512 KiB (fastsafetensors' block), in ops of that size
         # or one tensor; "wcd-direct-tiled" the same spans within ops of 16 MiB as usual (equal reads
-        # across tensors on a grid that starts again at each op; fastsafetensors' grid spans the file).
+        # across tensors on a grid that starts again at each op; fastsafetensors' grid spans the file);
+        # "wcd-direct-tiled-1m" the same in 1 MiB spans, "wcd-direct-tiled-4m" in ops of 4 MiB (a
+        # quarter of the tail where the last ops leave threads idle), "wcd-direct-tiled-24" with 24
+        # loader threads (`load_workers`), not 16; "wcd-direct-tiled-held" and "wcd-held" make the copy
+        # loop's copies and event records keeping the GIL (`cuda.HELD_CALLS`).
         # Tensors larger than a sweep's read are copied in ops of one read too (`checkpoint.CHUNK_BYTES`):
         # the loader threads then take the file one read at a time, in order, whatever the tensors.
         # A read has room for one more block: an op that starts inside a block is still one O_DIRECT read.
         sweep_bytes = int(os.environ.get("BENCH_SWEEP_BYTES", 4 << 20))
         sweep = {"wcd.arenas.cuda.COLD_READ_BYTES": sweep_bytes + 4096, "wcd.checkpoint.CHUNK_BYTES": sweep_bytes}
-        variants: dict[str, tuple[str, dict[str, int]]] = {
+        tiled = {"wcd.arenas.cuda.DIRECT_READ_BYTES": 512 << 10}
+        variants: dict[str, tuple[str, dict[str, int]] | tuple[str, dict[str, int], str]] = {
             "wcd": ("buffered", {}), "wcd-direct": ("direct", {}), "wcd-sweep": ("buffered", sweep),
             "wcd-direct-sweep": ("direct", sweep), "wcd-noahead": ("buffered", {"wcd.loader.READ_AHEAD_BYTES": 0}),
             "wcd-chunk16": ("buffered", {"wcd.checkpoint.CHUNK_BYTES": 16 << 20}),
             "wcd-direct-512k": ("direct", {"wcd.arenas.cuda.COLD_READ_BYTES": 512 << 10}),
-            "wcd-direct-tiled": ("direct", {"wcd.arenas.cuda.DIRECT_READ_BYTES": 512 << 10})}
+            "wcd-direct-tiled": ("direct", tiled),
+            "wcd-direct-tiled-1m": ("direct", {"wcd.arenas.cuda.DIRECT_READ_BYTES": 1 << 20}),
+            "wcd-direct-tiled-4m": ("direct", {**tiled, "wcd.arenas.cuda.COLD_READ_BYTES": 4 << 20}),
+            "wcd-direct-tiled-24": ("direct", tiled, "load_workers = 24"),
+            "wcd-direct-tiled-held": ("direct", {**tiled, "wcd.arenas.cuda.HELD_CALLS": True}),
+            "wcd-held": ("buffered", {"wcd.arenas.cuda.HELD_CALLS": True})}
         daemons = {name: Daemon(Path(tmp) / name, args.device, *variant)
                    for name, variant in variants.items() if name in loaders}
         try:
@@ -399,7 +409,12 @@ def main() -> int:
                         if loader in daemons:
                             verify: dict[str, object] | None = \
                                 {} if loader == "wcd" and mode == "warm" and i == 0 else None
-                            times[loader].append(daemons[loader].load(d, args.device, f"b{len(runs)}-{i}", verify))
+                            try:
+                                times[loader].append(daemons[loader].load(d, args.device, f"b{len(runs)}-{i}", verify))
+                            except RuntimeError as e:  # one variant failing leaves the others' rounds
+                                row[loader] = {"error": str(e)[:300]}
+                                print(json.dumps({"mode": mode, "round": i, "loader": loader, "error": str(e)[:300]}), flush=True)
+                                continue
                             disk_seen = daemons[loader].last_disk
                             if verify:
                                 row["wcd_verify"] = {**verify, "GBps_each_side": nbytes / verify["seconds"] / 1e9}  # type: ignore[operator]

@@ -22,7 +22,7 @@ from typing import Any
 from cuda.bindings import driver as cuda
 
 from wcd.arenas.base import Arena, ArenaBackend, ArenaReader, ArenaWriter, DeviceInfo, pread_into
-from wcd.arenas.cudrv import Gpu, format_uuid, resolve_gpu
+from wcd.arenas.cudrv import Gpu, HeldCalls, format_uuid, resolve_gpu
 from wcd.checkpoint import Run
 from wcd.config import format_size
 from wcd.errors import BadRequest, DeviceUnavailable, Internal, OutOfMemory, WcdError
@@ -53,6 +53,9 @@ DIRECT_ALIGN = 4096
 # tensors, on a grid that starts again at each op. Benchmarks set 512 KiB, the blocks fastsafetensors
 # reads (its nogds reader: a 16 MiB bounce budget over 16 threads x 2) on one grid across the file.
 DIRECT_READ_BYTES = 0
+# Experiment (benchmarks set it): the copy loop's copies and event records through `HeldCalls`,
+# keeping the GIL, instead of cuda-bindings, which releases it around each call.
+HELD_CALLS = False
 DROP_FRACTION = 0.02  # below this (the header and fingerprint samples this load read), it was not cached
 # Lanes (a stream and its pinned buffers) kept per GPU between loads, and for how long after the
 # last load by default; `configure` sets the latter from the daemon's config.
@@ -80,6 +83,17 @@ def _check(result: tuple[Any, ...], what: str) -> Any:
     if not values:
         return None
     return values[0] if len(values) == 1 else values
+
+
+@cache
+def _held() -> HeldCalls:
+    return HeldCalls()
+
+
+def _check_held(err: int, what: str) -> None:
+    """`_check` for a `HeldCalls` result (a bare CUresult int)."""
+    if err:
+        _check((cuda.CUresult(err),), what)
 
 
 def _cleanup(*steps: Callable[[], object]) -> None:
@@ -282,8 +296,8 @@ class _Lane:
             i = self._next()
             n = min(nbytes, read_bytes)
             self._read(pread_into, fd, self.views[i][:n], file_offset)
-            _check(cuda.cuMemcpyHtoDAsync(dst, self.ptrs[i], n, self.stream), "cuMemcpyHtoDAsync")
-            _check(cuda.cuEventRecord(self.events[i], self.stream), "cuEventRecord")
+            self._copy1d(dst, self.ptrs[i], n)
+            self._record(i)
             file_offset, dst, nbytes = file_offset + n, dst + n, nbytes - n
 
     def copy_direct(self, fd: int, file_offset: int, dst: int, nbytes: int, read_bytes: int) -> None:
@@ -299,8 +313,8 @@ class _Lane:
             n = min(nbytes, room - skip)
             span = -(-(skip + n) // DIRECT_ALIGN) * DIRECT_ALIGN
             self._read(_pread_direct, fd, self.views[i][:span], file_offset - skip, skip + n)
-            _check(cuda.cuMemcpyHtoDAsync(dst, self.ptrs[i] + skip, n, self.stream), "cuMemcpyHtoDAsync")
-            _check(cuda.cuEventRecord(self.events[i], self.stream), "cuEventRecord")
+            self._copy1d(dst, self.ptrs[i] + skip, n)
+            self._record(i)
             file_offset, dst, nbytes = file_offset + n, dst + n, nbytes - n
 
     def gather(self, fd: int, file_offset: int, dst: int, nbytes: int, runs: tuple[Run, ...]) -> bool:
@@ -316,8 +330,8 @@ class _Lane:
                                          for at in range(rel, rel + stride * count, stride)], file_offset)
         if got != want:  # short only at end of file, or a file that shrank: let the caller redo it
             return False
-        _check(cuda.cuMemcpyHtoDAsync(dst, self.ptrs[i], nbytes, self.stream), "cuMemcpyHtoDAsync")
-        _check(cuda.cuEventRecord(self.events[i], self.stream), "cuEventRecord")
+        self._copy1d(dst, self.ptrs[i], nbytes)
+        self._record(i)
         return True
 
     def fetch(self, i: int, src: int, nbytes: int) -> None:
@@ -365,11 +379,21 @@ class _Lane:
                     src += rows * width
                 if row == count:
                     r, row = r + 1, 0
-            _check(cuda.cuEventRecord(self.events[i], self.stream), "cuEventRecord")
+            self._record(i)
             pos += n
 
     def _copy1d(self, dst: int, src: int, nbytes: int) -> None:
-        _check(cuda.cuMemcpyHtoDAsync(dst, src, nbytes, self.stream), "cuMemcpyHtoDAsync")
+        if HELD_CALLS:
+            _check_held(_held().memcpy_htod_async(dst, src, nbytes, int(self.stream)), "cuMemcpyHtoDAsync")
+        else:
+            _check(cuda.cuMemcpyHtoDAsync(dst, src, nbytes, self.stream), "cuMemcpyHtoDAsync")
+
+    def _record(self, i: int) -> None:
+        """Mark buffer `i` as in use until the copies queued on the stream so far have finished."""
+        if HELD_CALLS:
+            _check_held(_held().event_record(int(self.events[i]), int(self.stream)), "cuEventRecord")
+        else:
+            _check(cuda.cuEventRecord(self.events[i], self.stream), "cuEventRecord")
 
     def _copy_rows(self, dst: int, src: int, width: int, stride: int, rows: int) -> None:
         """`rows` rows of `width` bytes, back to back at host address `src`, to `dst` every `stride` bytes."""

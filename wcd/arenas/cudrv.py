@@ -112,6 +112,22 @@ def load_library(name: str) -> ctypes.CDLL:
     return ctypes.CDLL(name)
 
 
+class HeldCalls:
+    """Two asynchronous driver calls of the loader's copy loop, bound through `ctypes.PyDLL`: they
+    keep the GIL. cuda-bindings releases it around every call, and a thread that gives it up for a
+    call of a few microseconds then waits its turn to take it back behind 15 others (the H200's
+    1.6 GB cold loads: 0.4-0.7 ms per 512 KiB read outside the read). Only calls that never block
+    belong here: a copy from pinned memory onto a stream with at most a lane's buffers queued, and
+    an event record. Each returns the CUresult as an int."""
+
+    def __init__(self, library: str = "libcuda.so.1") -> None:
+        lib = ctypes.PyDLL(library)  # the handle `load_library` or cuda-bindings already opened
+        self.memcpy_htod_async = lib.cuMemcpyHtoDAsync_v2
+        self.memcpy_htod_async.argtypes, self.memcpy_htod_async.restype = [_u64, _ptr, _size, _ptr], _int
+        self.event_record = lib.cuEventRecord
+        self.event_record.argtypes, self.event_record.restype = [_ptr, _ptr], _int
+
+
 class Driver:
     """`libcuda.so.1`, initialised; each method wraps one driver call and raises a one-line
     `WcdError` (OutOfMemory, BadRequest for a bad device, Internal otherwise) on failure."""
