@@ -3,8 +3,8 @@
 Per checkpoint (synthetic BF16, equal tensors, a few shards), one run, side by side:
   - ceilings: a plain page-cache -> memfd copy (host) or pinned host->device copy (GPU), and,
     cold, the disk's parallel O_DIRECT read bandwidth (several readers; no fio needed);
-  - wcd `load` op through a real daemon (fingerprint + allocate + fill); `wcd-direct` is a second
-    daemon with `cold_reads = "direct"` (cold files read with O_DIRECT);
+  - wcd `load` op through a real daemon (fingerprint + allocate + fill), as configured by default;
+    `wcd-buffered` and the other `wcd-*` variants are further daemons (their settings: `variants`);
   - safetensors `load_file`, fastsafetensors, instanttensor, runai-model-streamer; a peer whose
     package is missing is reported as such.
 Every loader runs in a fresh process that starts as an engine does, torch imported and the CUDA
@@ -243,15 +243,16 @@ def pinned_h2d(device: str) -> float:
 
 
 class Daemon:
-    def __init__(self, root: Path, device: str, cold_reads: str = "buffered",
+    def __init__(self, root: Path, device: str, cold_reads: str | None = None,
                  sets: dict[str, int] | None = None, config_lines: str = "") -> None:
         root.mkdir(exist_ok=True)
         self.socket = root / "wcd.sock"
         config = root / "wcd.toml"
         budget = '"90%"' if device != "cpu" else '"80%"'
         extra = os.environ.get("BENCH_DAEMON_CONFIG", "").replace(";", "\n")  # e.g. "load_workers = 4"
+        reads = f'cold_reads = "{cold_reads}"' if cold_reads else ""  # none: the daemon's default
         config.write_text(f'[daemon]\nsocket = "{self.socket}"\nbudget = {{ "{device}" = {budget} }}\n'
-                          f'cold_reads = "{cold_reads}"\n{config_lines}\n{extra}\n')
+                          f'{reads}\n{config_lines}\n{extra}\n')
         self.last_disk: list[str] = []  # the disk's counters as the last load's clock started and stopped
         self.log = open(root / "daemon.log", "wb")
         # `sets` (experiments, no config knobs): module constants set before the daemon starts,
@@ -325,36 +326,31 @@ def main() -> int:
                                  "device": args.device, "runs": []}
     runs: list[dict[str, object]] = result["runs"]  # type: ignore[assignment]
     with tempfile.TemporaryDirectory() as tmp:
-        # "wcd" reads cold files through the page cache (the default); "wcd-direct" with O_DIRECT;
-        # "wcd-sweep" and "wcd-direct-sweep" the same in BENCH_SWEEP_BYTES reads (default 4 MiB),
-        # not 16 MiB (until 2026-12-03 reads below 4 MiB, a lane's warm buffers, read 4 MiB);
+        # "wcd" is the daemon as configured by default: cold files read with O_DIRECT in 512 KiB spans
+        # (`cuda.DIRECT_READ_BYTES`) within ops of 16 MiB (`cuda.COLD_READ_BYTES`); "wcd-buffered"
+        # reads them through the page cache, one 16 MiB read per op (the default until 2026-12-03);
+        # "wcd-direct" with O_DIRECT in whole ops (the direct mode until then); "wcd-direct-tiled-1m"
+        # in 1 MiB spans; "wcd-direct-tiled-24" with 24 loader threads (`load_workers`), not 16;
+        # "wcd-direct-512k" in ops of 512 KiB or one tensor, read whole. Buffered: "wcd-sweep" in
+        # BENCH_SWEEP_BYTES reads (default 4 MiB), "wcd-direct-sweep" the same with O_DIRECT;
         # "wcd-noahead" reads nothing ahead while its writer is being made (`loader.READ_AHEAD_BYTES`
         # = 0); "wcd-chunk16" copies tensors larger than a read in 16 MiB ops (`checkpoint.CHUNK_BYTES`),
-        # not 64 MiB: a sweep of 16 MiB reads across large tensors too; "wcd-direct-512k" reads cold
-        # files with O_DIRECT in spans of at most 512 KiB (fastsafetensors' block), in ops of that size
-        # or one tensor; "wcd-direct-tiled" the same spans within ops of 16 MiB as usual (equal reads
-        # across tensors on a grid that starts again at each op; fastsafetensors' grid spans the file);
-        # "wcd-direct-tiled-1m" the same in 1 MiB spans, "wcd-direct-tiled-4m" in ops of 4 MiB (a
-        # quarter of the tail where the last ops leave threads idle), "wcd-direct-tiled-24" with 24
-        # loader threads (`load_workers`), not 16; "wcd-direct-tiled-held" and "wcd-held" make the copy
-        # loop's copies and event records keeping the GIL (`cuda.HELD_CALLS`).
-        # Tensors larger than a sweep's read are copied in ops of one read too (`checkpoint.CHUNK_BYTES`):
-        # the loader threads then take the file one read at a time, in order, whatever the tensors.
-        # A read has room for one more block: an op that starts inside a block is still one O_DIRECT read.
+        # not 64 MiB. Tensors larger than a sweep's read are copied in ops of one read too
+        # (`checkpoint.CHUNK_BYTES`): the loader threads then take the file one read at a time, in
+        # order, whatever the tensors. A read has room for one more block: an op that starts inside
+        # a block is still one O_DIRECT read. Rounds before 2026-12-03's thirteenth ran the names
+        # as bench_load.py defined them at the time (git log).
         sweep_bytes = int(os.environ.get("BENCH_SWEEP_BYTES", 4 << 20))
         sweep = {"wcd.arenas.cuda.COLD_READ_BYTES": sweep_bytes + 4096, "wcd.checkpoint.CHUNK_BYTES": sweep_bytes}
-        tiled = {"wcd.arenas.cuda.DIRECT_READ_BYTES": 512 << 10}
-        variants: dict[str, tuple[str, dict[str, int]] | tuple[str, dict[str, int], str]] = {
-            "wcd": ("buffered", {}), "wcd-direct": ("direct", {}), "wcd-sweep": ("buffered", sweep),
-            "wcd-direct-sweep": ("direct", sweep), "wcd-noahead": ("buffered", {"wcd.loader.READ_AHEAD_BYTES": 0}),
-            "wcd-chunk16": ("buffered", {"wcd.checkpoint.CHUNK_BYTES": 16 << 20}),
-            "wcd-direct-512k": ("direct", {"wcd.arenas.cuda.COLD_READ_BYTES": 512 << 10}),
-            "wcd-direct-tiled": ("direct", tiled),
+        whole = {"wcd.arenas.cuda.DIRECT_READ_BYTES": 0}
+        variants: dict[str, tuple[str | None, dict[str, int]] | tuple[str, dict[str, int], str]] = {
+            "wcd": (None, {}), "wcd-buffered": ("buffered", {}), "wcd-direct": ("direct", whole),
             "wcd-direct-tiled-1m": ("direct", {"wcd.arenas.cuda.DIRECT_READ_BYTES": 1 << 20}),
-            "wcd-direct-tiled-4m": ("direct", {**tiled, "wcd.arenas.cuda.COLD_READ_BYTES": 4 << 20}),
-            "wcd-direct-tiled-24": ("direct", tiled, "load_workers = 24"),
-            "wcd-direct-tiled-held": ("direct", {**tiled, "wcd.arenas.cuda.HELD_CALLS": True}),
-            "wcd-held": ("buffered", {"wcd.arenas.cuda.HELD_CALLS": True})}
+            "wcd-direct-tiled-24": ("direct", {}, "load_workers = 24"),
+            "wcd-direct-512k": ("direct", {**whole, "wcd.arenas.cuda.COLD_READ_BYTES": 512 << 10}),
+            "wcd-sweep": ("buffered", sweep), "wcd-direct-sweep": ("direct", {**whole, **sweep}),
+            "wcd-noahead": ("buffered", {"wcd.loader.READ_AHEAD_BYTES": 0}),
+            "wcd-chunk16": ("buffered", {"wcd.checkpoint.CHUNK_BYTES": 16 << 20})}
         daemons = {name: Daemon(Path(tmp) / name, args.device, *variant)
                    for name, variant in variants.items() if name in loaders}
         try:
@@ -413,7 +409,8 @@ def main() -> int:
                                 times[loader].append(daemons[loader].load(d, args.device, f"b{len(runs)}-{i}", verify))
                             except RuntimeError as e:  # one variant failing leaves the others' rounds
                                 row[loader] = {"error": str(e)[:300]}
-                                print(json.dumps({"mode": mode, "round": i, "loader": loader, "error": str(e)[:300]}), flush=True)
+                                print(json.dumps({"mode": mode, "round": i, "loader": loader, **row[loader]}),
+                                      flush=True)
                                 continue
                             disk_seen = daemons[loader].last_disk
                             if verify:

@@ -37,7 +37,7 @@ from bench_load import write_checkpoint  # noqa: E402
 
 import wcd.arenas.cuda as wcuda  # noqa: E402
 import wcd.loader  # noqa: E402
-from tests.unit.fake_cuda import DEVICE_BASE, FakeDriver  # noqa: E402
+from tests.unit.fake_cuda import DEVICE_BASE, FakeDriver, held_calls  # noqa: E402
 from wcd import key  # noqa: E402
 from wcd.checkpoint import Checkpoint  # noqa: E402
 
@@ -88,7 +88,8 @@ def count(path: Path, workers: int) -> dict[str, Any]:
             reads["gathered_pieces"] += sum(c for _, _, _, c in runs)
         return done
 
-    with mock.patch.object(wcuda, "cuda", fake), mock.patch.object(wcuda, "pread_into", counted_pread), \
+    with mock.patch.object(wcuda, "cuda", fake), mock.patch.object(wcuda, "_held", lambda: held_calls(wcuda)), \
+            mock.patch.object(wcuda, "pread_into", counted_pread), \
             mock.patch.object(wcuda._Lane, "gather", counted_gather), \
             mock.patch.object(wcd.loader, "cached_fraction", lambda fd: 1.0), Checkpoint.open(path) as ckpt:
         manifest = ckpt.manifest()

@@ -321,6 +321,53 @@ def test_staging_lingers_between_loads_and_cold_files_leave_the_page_cache(tmp_p
         assert res["cached_after_cold_load"] < 0.1, "a cold load left the file in the page cache"
 
 
+def test_cold_files_are_read_with_o_direct_exactly_and_stay_out_of_the_page_cache(tmp_path: Path) -> None:
+    """The default `cold_reads = "direct"`: 512 KiB O_DIRECT reads (DIRECT_READ_BYTES) from an
+    unaligned offset to an unaligned end, their copies queued keeping the GIL (`HeldCalls`), land
+    byte for byte; the lanes keep their 4 MiB buffers (nothing larger pinned) and the file's pages
+    never enter the page cache."""
+    n = 40 * MiB + 12345
+    data = os.urandom(n)
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    out = run_child(f"""
+        import json, os
+        from wcd.arenas import cuda
+        from wcd.loader import cached_fraction
+
+        fd = os.open({str(path)!r}, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        res = {{"cached_before": cached_fraction(fd)}}
+        b = cuda.CudaBackend(linger_s=30)
+        b.configure(30, direct_reads=True)
+        a = b.create("cuda:0", b.arena_size({n}, "cuda:0"), "direct")
+        w = a.writer()
+        w.hint(fd, res["cached_before"])
+        w.copy_from_file(fd, 4095, 0, {n} - 4095)
+        res["direct"] = bool(w._direct)
+        w.close()
+        res["cached_after"] = cached_fraction(fd)
+        staging = b.staging(cuda.find_gpu("cuda:0"))
+        res["lane_bytes"] = max(lane.nbytes for lane in staging._free)
+        res["read_bytes"] = cuda.DIRECT_READ_BYTES
+        res["bytes_ok"] = a.read(0, {n} - 4095) == open({str(path)!r}, "rb").read()[4095:]
+        a.close()
+        b.release()
+        print(json.dumps(res))
+    """)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout.splitlines()[-1])
+    print(f"[gpu-info] direct: {res}")
+    if res["cached_before"] >= 0.02:
+        pytest.skip(f"{tmp_path}'s file system keeps the file in the page cache: no cold read to test")
+    if not res["direct"]:
+        pytest.skip(f"{tmp_path}'s file system refuses O_DIRECT")
+    assert res["bytes_ok"], "an O_DIRECT cold load put wrong bytes in the arena"
+    assert res["read_bytes"] == 512 << 10 and res["lane_bytes"] == 4 * MiB, "a direct load grew its lanes"
+    assert res["cached_after"] < 0.02, "an O_DIRECT load left the file in the page cache"
+
+
 def test_write_through_a_read_lease_faults_in_the_client_only(backend: Any, tmp_path: Path) -> None:
     n = 4 * MiB
     arena, data, _ = filled_arena(backend, tmp_path, n)

@@ -15,6 +15,14 @@ DEVICE_BASE = 1 << 44
 PAD = 0xEE  # what device memory holds before the fill
 
 
+def held_calls(module: Any) -> types.SimpleNamespace:
+    """What `wcd.arenas.cuda._held` gives (the copy loop's GIL-keeping driver calls), through
+    `module.cuda`'s functions as they are when called: a fake's, or a test's stand-ins."""
+    return types.SimpleNamespace(
+        memcpy_htod_async=lambda dst, src, nbytes, stream: module.cuda.cuMemcpyHtoDAsync(dst, src, nbytes, stream)[0],
+        event_record=lambda event, stream: module.cuda.cuEventRecord(event, stream)[0])
+
+
 class FakeStream:
     def __init__(self) -> None:
         self.queue: list[Callable[[], None] | FakeEvent] = []

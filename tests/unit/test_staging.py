@@ -17,6 +17,8 @@ from unittest import mock
 
 import pytest
 
+from tests.unit.fake_cuda import held_calls
+
 
 @pytest.fixture
 def cuda_module(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
@@ -30,7 +32,9 @@ def cuda_module(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
         for name, module in (("cuda", pkg), ("cuda.bindings", bindings), ("cuda.bindings.driver", bindings.driver)):
             monkeypatch.setitem(sys.modules, name, module)
         monkeypatch.delitem(sys.modules, "wcd.arenas.cuda", raising=False)
-    yield importlib.import_module("wcd.arenas.cuda")
+    module = importlib.import_module("wcd.arenas.cuda")
+    monkeypatch.setattr(module, "_held", lambda: held_calls(module))  # through the fakes, never libcuda
+    yield module
     if isinstance(sys.modules.get("cuda.bindings.driver"), mock.MagicMock):
         sys.modules.pop("wcd.arenas.cuda", None)  # the stand-in goes with the fixture
 
@@ -415,7 +419,8 @@ def test_cold_reads_direct_by_config_go_through_an_o_direct_descriptor_closed_wi
     w.hint(cold, 0.0)
     w.copy_from_file(warm, 0, 0, 4096)
     w.copy_from_file(cold, 0, 4096, 4096)
-    assert writer_parts.copies == [(warm, 4096, 4 << 20), ("direct", os.fstat(cold).st_ino, 4096, 16 << 20)]
+    # warm: one staging buffer per read; cold: O_DIRECT reads of DIRECT_READ_BYTES (512 KiB)
+    assert writer_parts.copies == [(warm, 4096, 4 << 20), ("direct", os.fstat(cold).st_ino, 4096, 512 << 10)]
     w.close()
     assert not _direct_fds_of(os.fstat(cold).st_ino), "the writer left its O_DIRECT descriptor open"
     backend.configure(30.0)
@@ -425,19 +430,22 @@ def test_cold_reads_direct_by_config_go_through_an_o_direct_descriptor_closed_wi
     writer_parts.staging.release()
 
 
+@pytest.mark.parametrize(("direct_read_bytes", "read"), [(1 << 20, 1 << 20), (0, 16 << 20)])
 def test_direct_reads_span_at_most_direct_read_bytes_in_ops_of_the_cold_read_size(
-        cuda: Any, writer_parts: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A lower DIRECT_READ_BYTES tiles ops in smaller O_DIRECT reads; the ops stay COLD_READ_BYTES."""
+        cuda: Any, writer_parts: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, direct_read_bytes: int,
+        read: int) -> None:
+    """DIRECT_READ_BYTES tiles ops in O_DIRECT reads of that size (0: a whole op); the ops stay
+    COLD_READ_BYTES."""
     import os
 
-    monkeypatch.setattr(cuda, "DIRECT_READ_BYTES", 512 << 10)
+    monkeypatch.setattr(cuda, "DIRECT_READ_BYTES", direct_read_bytes)
     writer_parts.staging.direct_reads = True
     (cold,) = _open_fds(tmp_path, 1)
     w = cuda.CudaWriter(writer_parts.arena, writer_parts.staging)
     w.hint(cold, 0.0)
     assert w.batch_bytes(cold) == cuda.COLD_READ_BYTES == 16 << 20
     w.copy_from_file(cold, 0, 0, 4096)
-    assert writer_parts.copies == [("direct", os.fstat(cold).st_ino, 4096, 512 << 10)]
+    assert writer_parts.copies == [("direct", os.fstat(cold).st_ino, 4096, read)]
     w.close()
     os.close(cold)
     writer_parts.staging.release()
@@ -476,9 +484,9 @@ def test_a_file_system_that_refuses_o_direct_is_read_buffered_and_said_once(
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert lines == [
         f'cold_reads = "direct": cannot open {tmp_path}/shard0 with O_DIRECT (Invalid argument): cold reads from '
-        'its file system are buffered instead; set cold_reads = "buffered" (the default) to silence this',
+        'its file system are buffered instead; set cold_reads = "buffered" to silence this',
         'cold_reads = "direct": cannot open /dev/null with O_DIRECT (Invalid argument): cold reads from '
-        'its file system are buffered instead; set cold_reads = "buffered" (the default) to silence this']
+        'its file system are buffered instead; set cold_reads = "buffered" to silence this']
     for fd in (first, second, other):
         os.close(fd)
     writer_parts.staging.release()

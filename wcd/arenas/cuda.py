@@ -34,28 +34,27 @@ POSIX_FD = cuda.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPT
 # Pinned staging buffers, two per loader thread (read into one while the other is being copied).
 # Files mostly in the page cache are read one buffer (STAGING_BYTES) at a time: on the H200 machine
 # here 16 threads x 4 MiB reads filled 16 GB at 46 GB/s (8 MiB: 41, 16 MiB: 37; cache-sized copies
-# win). Files mostly not in it are read COLD_READ_BYTES at a time: 16 MiB reads from 16 threads read
-# that disk at 1.89 GB/s, against 1.44 GB/s with 8 x 4 MiB and at most 1.65 GB/s with O_DIRECT.
-STAGING_BYTES = 4 << 20  # a lane's buffers grow to COLD_READ_BYTES at its first cold read
+# win). Files mostly not in it are planned in ops of COLD_READ_BYTES, read through O_DIRECT in
+# DIRECT_READ_BYTES spans (below), or buffered one op at a time (`cold_reads = "buffered"`: 16 MiB
+# reads from 16 threads read that disk at 1.89 GB/s, against 1.44 GB/s with 8 x 4 MiB).
+STAGING_BYTES = 4 << 20  # a lane's buffers grow to COLD_READ_BYTES at its first buffered cold read
 STAGING_BUFFERS = 2
 COLD_READ_BYTES = 16 << 20
 # verify's device-to-host copies (`CudaReader.windows`), into a lane's buffers: cache-sized, so the
 # hashing of one overlaps the copy of the next even in lanes that cold reads grew to 16 MiB.
 READ_WINDOW = 4 << 20
 WARM_FRACTION = 0.9  # a file with at least this much in the page cache is read as warm
-# With `cold_reads = "direct"`, cold files are read with O_DIRECT: whole aligned blocks into the
-# pinned buffers, no page-cache copy and nothing left in the cache; buffered where the file system
-# refuses it. Not the default: on the H200 machines buffered reads were faster (16 GB: 10.24 s
-# against 11.77 s in one run). 4096 covers 512-byte and 4K logical blocks.
+# With `cold_reads = "direct"` (the default), cold files are read with O_DIRECT: whole aligned
+# blocks into the pinned buffers, no page-cache copy and nothing left in the cache; buffered where
+# the file system refuses it. 4096 covers 512-byte and 4K logical blocks.
 DIRECT_ALIGN = 4096
-# At most this much in one O_DIRECT read (0: a whole read size, COLD_READ_BYTES). Ops stay up to the
-# read size (`CudaWriter.batch_bytes`), so a lower value reads each op in equal spans across its
-# tensors, on a grid that starts again at each op. Benchmarks set 512 KiB, the blocks fastsafetensors
-# reads (its nogds reader: a 16 MiB bounce budget over 16 threads x 2) on one grid across the file.
-DIRECT_READ_BYTES = 0
-# Experiment (benchmarks set it): the copy loop's copies and event records through `HeldCalls`,
-# keeping the GIL, instead of cuda-bindings, which releases it around each call.
-HELD_CALLS = False
+# At most this much in one O_DIRECT read (0: a whole op). Ops stay COLD_READ_BYTES, so each op is
+# read in equal spans across its tensors: the blocks fastsafetensors reads (its nogds reader: a
+# 16 MiB bounce budget over 16 threads x 2). On the H200 machines, with the copies keeping the GIL
+# (`HeldCalls`), 512 KiB spans beat buffered 16 MiB reads at 16 GB (7.29 s against 8.54, two
+# rounds) and at 1.6 GB (copy phase 0.857 s against 0.940, five); whole 16 MiB O_DIRECT reads had
+# lost to buffered ones (11.77 s against 10.24): 16 threads kept ~145 requests in flight.
+DIRECT_READ_BYTES = 512 << 10
 DROP_FRACTION = 0.02  # below this (the header and fingerprint samples this load read), it was not cached
 # Lanes (a stream and its pinned buffers) kept per GPU between loads, and for how long after the
 # last load by default; `configure` sets the latter from the daemon's config.
@@ -87,13 +86,14 @@ def _check(result: tuple[Any, ...], what: str) -> Any:
 
 @cache
 def _held() -> HeldCalls:
+    """The copy loop's GIL-keeping driver calls (the unit tests' fakes replace this)."""
     return HeldCalls()
 
 
-def _check_held(err: int, what: str) -> None:
-    """`_check` for a `HeldCalls` result (a bare CUresult int)."""
-    if err:
-        _check((cuda.CUresult(err),), what)
+def _check_held(err: Any, what: str) -> None:
+    """`_check` for a `HeldCalls` result (a bare CUresult)."""
+    if err != _SUCCESS:
+        _check((cuda.CUresult(err) if type(err) is int else err,), what)
 
 
 def _cleanup(*steps: Callable[[], object]) -> None:
@@ -383,17 +383,12 @@ class _Lane:
             pos += n
 
     def _copy1d(self, dst: int, src: int, nbytes: int) -> None:
-        if HELD_CALLS:
-            _check_held(_held().memcpy_htod_async(dst, src, nbytes, int(self.stream)), "cuMemcpyHtoDAsync")
-        else:
-            _check(cuda.cuMemcpyHtoDAsync(dst, src, nbytes, self.stream), "cuMemcpyHtoDAsync")
+        """Queue a copy from pinned memory, keeping the GIL (`HeldCalls`): it never blocks."""
+        _check_held(_held().memcpy_htod_async(dst, src, nbytes, self.stream), "cuMemcpyHtoDAsync")
 
     def _record(self, i: int) -> None:
         """Mark buffer `i` as in use until the copies queued on the stream so far have finished."""
-        if HELD_CALLS:
-            _check_held(_held().event_record(int(self.events[i]), int(self.stream)), "cuEventRecord")
-        else:
-            _check(cuda.cuEventRecord(self.events[i], self.stream), "cuEventRecord")
+        _check_held(_held().event_record(self.events[i], self.stream), "cuEventRecord")
 
     def _copy_rows(self, dst: int, src: int, width: int, stride: int, rows: int) -> None:
         """`rows` rows of `width` bytes, back to back at host address `src`, to `dst` every `stride` bytes."""
@@ -467,7 +462,7 @@ def _warn_buffered(fd: int, error: OSError) -> None:
     except OSError:
         path = f"fd {fd}"
     log.warning('cold_reads = "direct": cannot open %s with O_DIRECT (%s): cold reads from its file system are '
-                'buffered instead; set cold_reads = "buffered" (the default) to silence this',
+                'buffered instead; set cold_reads = "buffered" to silence this',
                 path, error.strerror or error)
 
 

@@ -118,14 +118,22 @@ class HeldCalls:
     call of a few microseconds then waits its turn to take it back behind 15 others (the H200's
     1.6 GB cold loads: 0.4-0.7 ms per 512 KiB read outside the read). Only calls that never block
     belong here: a copy from pinned memory onto a stream with at most a lane's buffers queued, and
-    an event record. Each returns the CUresult as an int."""
+    an event record. Streams and events are cuda-bindings' objects (their handles are `int()` of
+    them); each call returns the CUresult as an int. With the copies keeping the GIL, the H200's
+    cold loads in 512 KiB O_DIRECT reads spent 0.86 s copying 1.6 GB against 0.95 (medians of five)."""
 
     def __init__(self, library: str = "libcuda.so.1") -> None:
         lib = ctypes.PyDLL(library)  # the handle `load_library` or cuda-bindings already opened
-        self.memcpy_htod_async = lib.cuMemcpyHtoDAsync_v2
-        self.memcpy_htod_async.argtypes, self.memcpy_htod_async.restype = [_u64, _ptr, _size, _ptr], _int
-        self.event_record = lib.cuEventRecord
-        self.event_record.argtypes, self.event_record.restype = [_ptr, _ptr], _int
+        self._memcpy = lib.cuMemcpyHtoDAsync_v2
+        self._memcpy.argtypes, self._memcpy.restype = [_u64, _ptr, _size, _ptr], _int
+        self._record = lib.cuEventRecord
+        self._record.argtypes, self._record.restype = [_ptr, _ptr], _int
+
+    def memcpy_htod_async(self, dst: int, src: int, nbytes: int, stream: Any) -> int:
+        return int(self._memcpy(dst, src, nbytes, int(stream)))
+
+    def event_record(self, event: Any, stream: Any) -> int:
+        return int(self._record(int(event), int(stream)))
 
 
 class Driver:
