@@ -37,6 +37,9 @@
 #   bash bench/device_run.sh round12b 1.6 GB / 1k cold, six rounds: wcd, wcd-direct-sweep in O_DIRECT spans of at most
 #                                     512 KiB, wcd-direct-512k (the same spans, ops as usual), fastsafetensors; 16 GB /
 #                                     1k cold, two rounds: wcd and fastsafetensors
+#   bash bench/device_run.sh round16  GPU tests; 1.6 GB / 1k cold with a context made per load (staging_linger_s = 0), four
+#                                     rounds: wcd (reading ahead while the writer is made, those ops from the page cache)
+#                                     against wcd-noahead
 #   bash bench/device_run.sh round15  GPU tests; cold, the new default (O_DIRECT in 512 KiB reads, copies keeping the GIL)
 #                                     against the old (wcd-buffered) and fastsafetensors: 1.6 GB / 1k five rounds, 16 GB two
 #   bash bench/device_run.sh round14  1.6 GB / 1k cold, five rounds: wcd, wcd-direct-tiled and its GIL-keeping, 1 MiB and
@@ -156,6 +159,10 @@ case "${1:-tests}" in
     BENCH_SWEEP_BYTES=520192 cold_load round12b-1k 260 1.6:1000 6 wcd,wcd-direct-sweep,wcd-direct-512k,fastsafetensors
     rm -rf /tmp/wcd-bench-load/1.6gb-*
     cold_load round12b-16gb 230 16:1000 2 wcd,fastsafetensors ;;
+  round16)
+    gpu_tests
+    BENCH_DAEMON_CONFIG="staging_linger_s = 0" cold_load round16-linger0 150 1.6:1000 4 wcd,wcd-noahead
+    grep -h "filled from" "$OUT"/round16-*daemon*.log | cut -c1-160 ;;
   round15)
     gpu_tests
     cold_load round15-1k 200 1.6:1000 5 wcd,wcd-buffered,fastsafetensors

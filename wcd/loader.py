@@ -94,6 +94,26 @@ def cached_fraction(fd: int, windows: int = 64, window_pages: int = 64) -> float
         libc.munmap(addr, size)
 
 
+def resident(fd: int, offset: int, nbytes: int) -> bool:
+    """Whether every page of the file's bytes [offset, offset + nbytes) is in the page cache now:
+    mincore(2) over a mapping of just that range, never touched. False when it cannot tell. A
+    16 MiB range costs three calls and a 4 KiB vector."""
+    if nbytes <= 0:
+        return True
+    libc = _libc()
+    start = offset - offset % mmap.PAGESIZE
+    length = offset + nbytes - start
+    addr = libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        return False
+    try:
+        pages = -(-length // mmap.PAGESIZE)
+        vec = (ctypes.c_ubyte * pages)()
+        return libc.mincore(addr, length, vec) == 0 and bytes(vec).translate(_RESIDENT).count(1) == pages
+    finally:
+        libc.munmap(addr, length)
+
+
 @functools.cache
 def _libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(None, use_errno=True)

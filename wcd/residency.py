@@ -269,13 +269,10 @@ class Residency:
         started = time.monotonic()
         workers = self.state.config.daemon.load_workers or default_workers()
 
-        # Cold files read with O_DIRECT bypass the page cache: reading ahead into it would read twice.
-        ahead = self.state.config.daemon.cold_reads != "direct"
-
         def fill(arena: Arena) -> None:
             # The plan walks every tensor (a while for 10^5): in the worker, not on the loop.
             fill_arena(arena, ckpt, manifest, _EntryProgress(entry),
-                       lambda: entry.state == "evicting", workers, entry.key.fingerprint, ahead)
+                       lambda: entry.state == "evicting", workers, entry.key.fingerprint, reads_ahead=True)
             arena.seal()
 
         try:

@@ -407,9 +407,10 @@ def _direct_fds_of(inode: int) -> list[int]:
 
 
 def test_cold_reads_direct_by_config_go_through_an_o_direct_descriptor_closed_with_the_writer(
-        cuda: Any, writer_parts: Any, tmp_path: Any) -> None:
+        cuda: Any, writer_parts: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
+    monkeypatch.setattr(cuda, "resident", lambda fd, offset, nbytes: False)  # none of it in the page cache
     backend = object.__new__(cuda.CudaBackend)  # no driver: only its configure is used
     backend._lock, backend._linger_s, backend._stagings = threading.Lock(), 30.0, {0: writer_parts.staging}
     backend.configure(30.0, direct_reads=True)
@@ -439,6 +440,7 @@ def test_direct_reads_span_at_most_direct_read_bytes_in_ops_of_the_cold_read_siz
     import os
 
     monkeypatch.setattr(cuda, "DIRECT_READ_BYTES", direct_read_bytes)
+    monkeypatch.setattr(cuda, "resident", lambda fd, offset, nbytes: False)
     writer_parts.staging.direct_reads = True
     (cold,) = _open_fds(tmp_path, 1)
     w = cuda.CudaWriter(writer_parts.arena, writer_parts.staging)
@@ -446,6 +448,32 @@ def test_direct_reads_span_at_most_direct_read_bytes_in_ops_of_the_cold_read_siz
     assert w.batch_bytes(cold) == cuda.COLD_READ_BYTES == 16 << 20
     w.copy_from_file(cold, 0, 0, 4096)
     assert writer_parts.copies == [("direct", os.fstat(cold).st_ino, 4096, read)]
+    w.close()
+    os.close(cold)
+    writer_parts.staging.release()
+
+
+def test_ops_of_a_direct_file_that_the_page_cache_holds_are_read_from_it(
+        cuda: Any, writer_parts: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the loader read ahead while the writer was made (here: the file's first 8 KiB) is read
+    buffered, in warm reads (lanes keep their buffers); the rest of the cold file with O_DIRECT."""
+    import os
+
+    asked: list[tuple[int, int, int]] = []
+
+    def resident(fd: int, offset: int, nbytes: int) -> bool:
+        asked.append((fd, offset, nbytes))
+        return offset + nbytes <= 8192
+
+    monkeypatch.setattr(cuda, "resident", resident)
+    writer_parts.staging.direct_reads = True
+    (cold,) = _open_fds(tmp_path, 1)
+    w = cuda.CudaWriter(writer_parts.arena, writer_parts.staging)
+    w.hint(cold, 0.0)
+    w.copy_from_file(cold, 0, 0, 8192)
+    w.copy_from_file(cold, 8192, 8192, 4096)
+    assert asked == [(cold, 0, 8192), (cold, 8192, 4096)]  # the buffered descriptor's pages
+    assert writer_parts.copies == [(cold, 8192, cuda.STAGING_BYTES), ("direct", os.fstat(cold).st_ino, 4096, 512 << 10)]
     w.close()
     os.close(cold)
     writer_parts.staging.release()

@@ -26,6 +26,7 @@ from wcd.arenas.cudrv import Gpu, HeldCalls, format_uuid, resolve_gpu
 from wcd.checkpoint import Run
 from wcd.config import format_size
 from wcd.errors import BadRequest, DeviceUnavailable, Internal, OutOfMemory, WcdError
+from wcd.loader import resident
 from wcd.manifest import align_up
 
 log = logging.getLogger("wcd")
@@ -731,13 +732,18 @@ class CudaWriter(ArenaWriter):
         return self._map.ptr + arena_offset
 
     def copy_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int) -> None:
+        """An op of a cold file read with O_DIRECT is read from the page cache instead where all of
+        it is there: what the loader read ahead while this writer was made (`fill_arena`), or what
+        another reader left."""
         dst = self._target(arena_offset, nbytes)
         read_bytes = self._reads.get(fd, self._staging.warm_read)
         direct = self._direct.get(fd)
-        if direct is not None:
-            self._lane().copy_direct(direct, file_offset, dst, nbytes, min(read_bytes, DIRECT_READ_BYTES or read_bytes))
-        else:
+        if direct is None:
             self._lane().copy(fd, file_offset, dst, nbytes, read_bytes)
+        elif resident(fd, file_offset, nbytes):
+            self._lane().copy(fd, file_offset, dst, nbytes, self._staging.warm_read)
+        else:
+            self._lane().copy_direct(direct, file_offset, dst, nbytes, min(read_bytes, DIRECT_READ_BYTES or read_bytes))
 
     def copy_scattered(self, fd: int, file_offset: int, arena_offset: int, nbytes: int, runs: tuple[Run, ...]) -> None:
         """Runs of several wide pieces each (experts of one shape, say): a plain read and a 2D copy
