@@ -331,10 +331,11 @@ def main() -> int:
         # reads them through the page cache, one 16 MiB read per op (the default until 2026-12-03);
         # "wcd-direct" with O_DIRECT in whole ops (the direct mode until then); "wcd-direct-tiled-1m"
         # in 1 MiB spans; "wcd-direct-tiled-24" with 24 loader threads (`load_workers`), not 16;
-        # "wcd-direct-512k" in ops of 512 KiB or one tensor, read whole; "wcd-noahead" reads nothing
-        # ahead while its writer is being made (`loader.READ_AHEAD_BYTES` = 0). Buffered: "wcd-sweep" in
-        # BENCH_SWEEP_BYTES reads (default 4 MiB), "wcd-direct-sweep" the same with O_DIRECT;
-        # "wcd-chunk16" copies tensors larger than a read in 16 MiB ops (`checkpoint.CHUNK_BYTES`),
+        # "wcd-direct-512k" in ops of 512 KiB or one tensor, read whole. Buffered: "wcd-noahead" reads
+        # nothing ahead while its writer is being made (`loader.READ_AHEAD_BYTES` = 0; in round16, at
+        # 10e6a00, it was the default config without the read-ahead its O_DIRECT loads did then);
+        # "wcd-sweep" in BENCH_SWEEP_BYTES reads (default 4 MiB), "wcd-direct-sweep" the same with
+        # O_DIRECT; "wcd-chunk16" copies tensors larger than a read in 16 MiB ops (`checkpoint.CHUNK_BYTES`),
         # not 64 MiB. Tensors larger than a sweep's read are copied in ops of one read too
         # (`checkpoint.CHUNK_BYTES`): the loader threads then take the file one read at a time, in
         # order, whatever the tensors. A read has room for one more block: an op that starts inside
@@ -349,7 +350,7 @@ def main() -> int:
             "wcd-direct-tiled-24": ("direct", {}, "load_workers = 24"),
             "wcd-direct-512k": ("direct", {**whole, "wcd.arenas.cuda.COLD_READ_BYTES": 512 << 10}),
             "wcd-sweep": ("buffered", sweep), "wcd-direct-sweep": ("direct", {**whole, **sweep}),
-            "wcd-noahead": (None, {"wcd.loader.READ_AHEAD_BYTES": 0}),
+            "wcd-noahead": ("buffered", {"wcd.loader.READ_AHEAD_BYTES": 0}),
             "wcd-chunk16": ("buffered", {"wcd.checkpoint.CHUNK_BYTES": 16 << 20})}
         daemons = {name: Daemon(Path(tmp) / name, args.device, *variant)
                    for name, variant in variants.items() if name in loaders}

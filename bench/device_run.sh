@@ -38,8 +38,8 @@
 #                                     512 KiB, wcd-direct-512k (the same spans, ops as usual), fastsafetensors; 16 GB /
 #                                     1k cold, two rounds: wcd and fastsafetensors
 #   bash bench/device_run.sh round16  GPU tests; 1.6 GB / 1k cold with a context made per load (staging_linger_s = 0), four
-#                                     rounds: wcd (reading ahead while the writer is made, those ops from the page cache)
-#                                     against wcd-noahead
+#                                     rounds: wcd against wcd-noahead (at 10e6a00, where O_DIRECT loads read ahead while the
+#                                     writer was made, those ops from the page cache; reverted since: no gain)
 #   bash bench/device_run.sh round15  GPU tests; cold, the new default (O_DIRECT in 512 KiB reads, copies keeping the GIL)
 #                                     against the old (wcd-buffered) and fastsafetensors: 1.6 GB / 1k five rounds, 16 GB two
 #   bash bench/device_run.sh round14  1.6 GB / 1k cold, five rounds: wcd, wcd-direct-tiled and its GIL-keeping, 1 MiB and

@@ -455,8 +455,8 @@ def test_direct_reads_span_at_most_direct_read_bytes_in_ops_of_the_cold_read_siz
 
 def test_ops_of_a_direct_file_that_the_page_cache_holds_are_read_from_it(
         cuda: Any, writer_parts: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """What the loader read ahead while the writer was made (here: the file's first 8 KiB) is read
-    buffered, in warm reads (lanes keep their buffers); the rest of the cold file with O_DIRECT."""
+    """What the page cache holds of a cold file (here: its first 8 KiB) is read buffered, in warm
+    reads (lanes keep their buffers); the rest of it with O_DIRECT."""
     import os
 
     asked: list[tuple[int, int, int]] = []

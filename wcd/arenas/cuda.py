@@ -733,8 +733,8 @@ class CudaWriter(ArenaWriter):
 
     def copy_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int) -> None:
         """An op of a cold file read with O_DIRECT is read from the page cache instead where all of
-        it is there: what the loader read ahead while this writer was made (`fill_arena`), or what
-        another reader left."""
+        it is there: a file that was partly cached (under WARM_FRACTION) is read from the cache
+        where it can be, op by op (a `resident` check costs three calls per 16 MiB op)."""
         dst = self._target(arena_offset, nbytes)
         read_bytes = self._reads.get(fd, self._staging.warm_read)
         direct = self._direct.get(fd)
