@@ -785,3 +785,27 @@ def test_on_an_exclusive_process_gpu_the_check_after_a_restart_takes_no_context(
     finally:
         os.close(arena.fd())
         arena._fd = -1  # closed: its fake handle is not the driver's to release
+
+
+def test_a_held_call_that_fails_says_so_in_one_line(cuda_module: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`HeldCalls` return the driver's bare CUresult: a failure is one line naming the call, out of
+    memory its own error, and a code newer than the bindings still a line, not a ValueError."""
+    import enum
+
+    class CUresult(enum.IntEnum):
+        CUDA_SUCCESS = 0
+        CUDA_ERROR_INVALID_VALUE = 1
+        CUDA_ERROR_OUT_OF_MEMORY = 2
+
+    monkeypatch.setattr(cuda_module, "_SUCCESS", CUresult.CUDA_SUCCESS)
+    monkeypatch.setattr(cuda_module.cuda, "CUresult", CUresult, raising=False)
+    monkeypatch.setattr(cuda_module.cuda, "cuGetErrorString", lambda err: (CUresult.CUDA_SUCCESS, b"bad value"),
+                        raising=False)
+    cuda_module._check_held(0, "cuEventRecord")
+    line = r"^CUDA cuEventRecord failed: CUDA_ERROR_INVALID_VALUE \(bad value\)$"
+    with pytest.raises(cuda_module.Internal, match=line):
+        cuda_module._check_held(1, "cuEventRecord")
+    with pytest.raises(cuda_module.OutOfMemory, match="cuMemcpyHtoDAsync failed: CUDA_ERROR_OUT_OF_MEMORY"):
+        cuda_module._check_held(2, "cuMemcpyHtoDAsync")
+    with pytest.raises(cuda_module.Internal, match=r"^CUDA cuMemcpyHtoDAsync failed: error 999$"):
+        cuda_module._check_held(999, "cuMemcpyHtoDAsync")

@@ -92,9 +92,13 @@ def _held() -> HeldCalls:
 
 
 def _check_held(err: Any, what: str) -> None:
-    """`_check` for a `HeldCalls` result (a bare CUresult)."""
+    """`_check` for a `HeldCalls` result (a bare CUresult, an int from the driver)."""
     if err != _SUCCESS:
-        _check((cuda.CUresult(err) if type(err) is int else err,), what)
+        try:
+            code = cuda.CUresult(err) if type(err) is int else err
+        except ValueError:  # a code newer than these bindings
+            raise Internal(f"CUDA {what} failed: error {err}") from None
+        _check((code,), what)
 
 
 def _cleanup(*steps: Callable[[], object]) -> None:

@@ -116,7 +116,8 @@ class HeldCalls:
     """Two asynchronous driver calls of the loader's copy loop, bound through `ctypes.PyDLL`: they
     keep the GIL. cuda-bindings releases it around every call, and a thread that gives it up for a
     call of a few microseconds then waits its turn to take it back behind 15 others (the H200's
-    1.6 GB cold loads: 0.4-0.7 ms per 512 KiB read outside the read). Only calls that never block
+    1.6 GB cold loads in 512 KiB O_DIRECT reads: 0.65-0.97 ms per read outside the read and the
+    waits for copies; 0.34-0.39 ms with these two calls kept). Only calls that never block
     belong here: a copy from pinned memory onto a stream with at most a lane's buffers queued, and
     an event record. Streams and events are cuda-bindings' objects (their handles are `int()` of
     them); each call returns the CUresult as an int. With the copies keeping the GIL, the H200's
