@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,46 +16,45 @@ from wcd.checkpoint import Checkpoint
 from wcd.loader import ADVICE_BYTES, Progress, cached_fraction, fill_arena, read_ahead, resident
 
 
-def test_a_file_just_read_is_cached_and_one_dropped_is_not(tmp_path: Path) -> None:
+@pytest.fixture
+def blob(tmp_path: Path) -> Iterator[tuple[Path, int]]:
+    """An 8 MiB file, written, synced and read whole (all of it in the page cache), and its fd."""
     path = tmp_path / "blob"
     path.write_bytes(os.urandom(8 << 20))
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
         os.pread(fd, 8 << 20, 0)
-        assert cached_fraction(fd) == 1.0
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        dropped = cached_fraction(fd)
-        if _fs_type(path) not in ("tmpfs", "ramfs"):  # those keep every page: nothing to drop
-            assert dropped < 0.1
-        os.pread(fd, 4 << 20, 0)  # the first half back (and whatever readahead adds)
-        partly = cached_fraction(fd)
-        assert 0.0 <= dropped <= partly <= 1.0
-        assert partly >= 0.4  # sampled windows: about, not exactly, a half
+        yield path, fd
     finally:
         os.close(fd)
 
 
-def test_resident_says_whether_every_page_of_a_range_is_cached(tmp_path: Path) -> None:
-    path = tmp_path / "blob"
-    path.write_bytes(os.urandom(8 << 20))
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.pread(fd, 8 << 20, 0)
-        assert resident(fd, 0, 8 << 20) and resident(fd, 12345, 100_000) and resident(fd, 5, 0)
-        if _fs_type(path) in ("tmpfs", "ramfs"):  # those keep every page: nothing to drop
-            return
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        assert not resident(fd, 0, 8 << 20) and not resident(fd, 12345, 100_000)
-        os.posix_fadvise(fd, 4 << 20, 0, os.POSIX_FADV_DONTNEED)  # whatever readahead brought back, beyond
-        os.pread(fd, 1 << 20, 0)
-        os.posix_fadvise(fd, 4 << 20, 0, os.POSIX_FADV_DONTNEED)
-        assert resident(fd, 4096 - 1, 1 << 19)  # unaligned ends, inside what was read
-        assert not resident(fd, (1 << 20) - 10, 6 << 20)  # partly: not all of it
-        assert not resident(fd, (4 << 20) + 4096, 4096)
-    finally:
-        os.close(fd)
+def test_a_file_just_read_is_cached_and_one_dropped_is_not(blob: tuple[Path, int]) -> None:
+    path, fd = blob
+    assert cached_fraction(fd) == 1.0
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    dropped = cached_fraction(fd)
+    if _fs_type(path) not in ("tmpfs", "ramfs"):  # those keep every page: nothing to drop
+        assert dropped < 0.1
+    os.pread(fd, 4 << 20, 0)  # the first half back (and whatever readahead adds)
+    partly = cached_fraction(fd)
+    assert 0.0 <= dropped <= partly <= 1.0
+    assert partly >= 0.4  # sampled windows: about, not exactly, a half
+
+
+def test_resident_says_whether_every_page_of_a_range_is_cached(blob: tuple[Path, int]) -> None:
+    path, fd = blob
+    assert resident(fd, 0, 8 << 20) and resident(fd, 12345, 100_000) and resident(fd, 5, 0)
+    if _fs_type(path) in ("tmpfs", "ramfs"):  # those keep every page: nothing to drop
+        return
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    assert not resident(fd, 0, 8 << 20) and not resident(fd, 12345, 100_000)
+    os.pread(fd, 1 << 20, 0)
+    os.posix_fadvise(fd, 4 << 20, 0, os.POSIX_FADV_DONTNEED)  # whatever readahead brought in beyond
+    assert resident(fd, 4096 - 1, 1 << 19)  # unaligned ends, inside what was read
+    assert not resident(fd, (1 << 20) - 10, 6 << 20)  # partly: not all of it
+    assert not resident(fd, (4 << 20) + 4096, 4096)
 
 
 def _fs_type(path: Path) -> str:
