@@ -431,7 +431,9 @@ def main() -> int:
                     for loader in loaders:
                         got_times = times[loader]
                         if got_times:  # first: the first load of this run (for wcd: before staging lingers)
-                            row[loader] = {"seconds": min(got_times), "GBps": nbytes / min(got_times) / 1e9,
+                            failed = row.get(loader) if isinstance(row.get(loader), dict) else {}
+                            row[loader] = {**failed, "seconds": min(got_times),  # type: ignore[dict-item]
+                                           "GBps": nbytes / min(got_times) / 1e9,
                                            "median_seconds": statistics.median(got_times),
                                            "first_seconds": got_times[0], "all_seconds": got_times}
                         shown = {k: row[k] for k in ("gb", "tensors", "mode", loader) if k in row}

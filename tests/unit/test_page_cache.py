@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import wcd.loader
 from wcd.arenas.host import HostArena
 from wcd.checkpoint import Checkpoint
 from wcd.loader import ADVICE_BYTES, Progress, cached_fraction, fill_arena, read_ahead, resident
@@ -55,6 +56,59 @@ def test_resident_says_whether_every_page_of_a_range_is_cached(blob: tuple[Path,
     assert resident(fd, 4096 - 1, 1 << 19)  # unaligned ends, inside what was read
     assert not resident(fd, (1 << 20) - 10, 6 << 20)  # partly: not all of it
     assert not resident(fd, (4 << 20) + 4096, 4096)
+
+
+def test_where_mincore_would_not_tell_pages_are_probed(blob: tuple[Path, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    path, fd = blob
+    monkeypatch.setattr(wcd.loader, "mincore_tells", lambda fd: False)
+    assert cached_fraction(fd) == 1.0
+    assert not resident(fd, 0, 4096)  # cannot tell: O_DIRECT reads are right either way
+    if _fs_type(path) in ("tmpfs", "ramfs"):
+        return
+    assert _dropped(fd) < 0.1
+    os.pread(fd, 4 << 20, 0)  # the first half back
+    os.posix_fadvise(fd, 5 << 20, 0, os.POSIX_FADV_DONTNEED)  # and nothing readahead brought in past it
+    assert 0.4 <= cached_fraction(fd) <= 0.7
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to read a file as a user who may only read it")
+def test_a_daemon_that_may_only_read_a_file_sees_it_cold(blob: tuple[Path, int]) -> None:
+    """What the packaged daemon (User=wcd) sees of a model file it may only read: mincore says
+    every page is cached (Linux 5.0+), so the loader probes instead and finds the file cold."""
+    path, fd = blob
+    if _fs_type(path) in ("tmpfs", "ramfs"):
+        pytest.skip(f"{path}'s file system keeps every page: nothing to drop")
+    assert _dropped(fd) < 0.1  # the owner sees it cold
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: nobody, with the owner's fd
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            seen = (wcd.loader.mincore_tells(fd), cached_fraction(fd), resident(fd, 0, 4096))
+            os.write(w, repr(seen).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as out:
+        tells, fraction, cached = eval(out.read())  # noqa: S307 - our own child's repr of a tuple
+    os.waitpid(pid, 0)
+    assert not tells and fraction < 0.1 and not cached
+
+
+def _dropped(fd: int) -> float:
+    """Drop the file from the page cache and say how much of it is left there (`cached_fraction`).
+    DONTNEED skips pages still queued for the LRU on other CPUs: tried again, up to 1 s. Each try
+    drops before it checks: a probe (`_probed_fraction`) reads the pages it finds missing."""
+    for _ in range(20):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        left = cached_fraction(fd)
+        if left < 0.1:
+            break
+        time.sleep(0.05)
+    return left
 
 
 def _fs_type(path: Path) -> str:

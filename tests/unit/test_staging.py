@@ -511,10 +511,7 @@ def test_a_file_system_that_refuses_o_direct_is_read_buffered_and_said_once(
     assert all(copy[0] != "direct" for copy in writer_parts.copies) and len(writer_parts.copies) == 5
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert lines == [
-        f'cold_reads = "direct": cannot open {tmp_path}/shard0 with O_DIRECT (Invalid argument): cold reads from '
-        'its file system are buffered instead; set cold_reads = "buffered" to silence this',
-        'cold_reads = "direct": cannot open /dev/null with O_DIRECT (Invalid argument): cold reads from '
-        'its file system are buffered instead; set cold_reads = "buffered" to silence this']
+        _refused_line(f"{tmp_path}/shard0"), _refused_line("/dev/null")]
     for fd in (first, second, other):
         os.close(fd)
     writer_parts.staging.release()
@@ -785,6 +782,72 @@ def test_on_an_exclusive_process_gpu_the_check_after_a_restart_takes_no_context(
     finally:
         os.close(arena.fd())
         arena._fd = -1  # closed: its fake handle is not the driver's to release
+
+
+def _refused_line(path: str) -> str:
+    return (f'cannot read {path} with O_DIRECT (Invalid argument): cold reads from its file system go through the '
+            'page cache instead (cold_reads = "direct", the default); set cold_reads = "buffered" to silence this')
+
+
+def test_a_file_system_that_opens_with_o_direct_but_refuses_its_reads_is_read_buffered(
+        cuda: Any, writer_parts: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The op that met the refusal is read again buffered (its copies land after the attempt's, on
+    the same stream), later ops go buffered at once, and the log says it once."""
+    import errno
+    import logging
+    import os
+
+    tried: list[int] = []
+
+    def refused(lane: Any, fd: int, *args: Any) -> None:
+        tried.append(fd)
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(cuda._Lane, "copy_direct", refused)
+    monkeypatch.setattr(cuda, "resident", lambda fd, offset, nbytes: False)
+    monkeypatch.setattr(cuda, "_BUFFERED_DEVICES", set())
+    caplog.set_level(logging.INFO, logger="wcd")
+    writer_parts.staging.direct_reads = True
+    (cold,) = _open_fds(tmp_path, 1)
+    w = cuda.CudaWriter(writer_parts.arena, writer_parts.staging)
+    w.hint(cold, 0.5)
+    w.copy_from_file(cold, 0, 0, 4096)
+    w.copy_from_file(cold, 0, 4096, 4096)
+    assert len(tried) == 1 and writer_parts.copies == [(cold, 4096, 16 << 20)] * 2
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
+        _refused_line(f"{tmp_path}/shard0")]
+    direct = tried[0]
+    w.close()
+    with pytest.raises(OSError):  # closed with the writer all the same
+        os.fstat(direct)
+    os.close(cold)
+    writer_parts.staging.release()
+
+
+def test_out_of_descriptors_for_o_direct_fails_the_load_not_the_file_system(
+        cuda: Any, writer_parts: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import os
+
+    real_open = os.open
+
+    def exhausted(path: Any, flags: int, *args: Any) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", exhausted)
+    monkeypatch.setattr(cuda, "_BUFFERED_DEVICES", set())
+    writer_parts.staging.direct_reads = True
+    (cold,) = _open_fds(tmp_path, 1)
+    w = cuda.CudaWriter(writer_parts.arena, writer_parts.staging)
+    with pytest.raises(OSError, match="Too many open files"):
+        w.hint(cold, 0.0)
+    assert not cuda._BUFFERED_DEVICES  # the file system was not marked as refusing O_DIRECT
+    w.close()
+    os.close(cold)
+    writer_parts.staging.release()
 
 
 def test_a_held_call_that_fails_says_so_in_one_line(cuda_module: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -442,6 +442,8 @@ def open_direct(fd: int) -> int | None:
     try:
         direct = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
     except OSError as e:
+        if e.errno not in _REFUSALS:  # out of descriptors, say: not the file system's answer
+            raise
         _warn_buffered(fd, e)
         return None
     a, b = os.fstat(fd), os.fstat(direct)
@@ -452,11 +454,14 @@ def open_direct(fd: int) -> int | None:
 
 
 _BUFFERED_DEVICES: set[int] = set()  # file systems (st_dev) whose O_DIRECT refusal was logged
+# What a file system that does not do O_DIRECT answers the open or a read with.
+_REFUSALS = (errno.EINVAL, errno.EOPNOTSUPP)
 _BUFFERED_LOCK = threading.Lock()
 
 
 def _warn_buffered(fd: int, error: OSError) -> None:
-    """Say once per file system, not per file or load, that `cold_reads = "direct"` reads its files buffered."""
+    """Say once per file system, not per file or load, that `cold_reads = "direct"` reads its files
+    buffered (it refused to open them with O_DIRECT, or an O_DIRECT read of them)."""
     device = os.fstat(fd).st_dev
     with _BUFFERED_LOCK:
         if device in _BUFFERED_DEVICES:
@@ -466,8 +471,8 @@ def _warn_buffered(fd: int, error: OSError) -> None:
         path = os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
         path = f"fd {fd}"
-    log.warning('cold_reads = "direct": cannot open %s with O_DIRECT (%s): cold reads from its file system are '
-                'buffered instead; set cold_reads = "buffered" to silence this',
+    log.warning('cannot read %s with O_DIRECT (%s): cold reads from its file system go through the page cache '
+                'instead (cold_reads = "direct", the default); set cold_reads = "buffered" to silence this',
                 path, error.strerror or error)
 
 
@@ -657,8 +662,9 @@ class Staging:
 
     @property
     def cold_read(self) -> int:
-        """Bytes per read from a file not in the page cache (a lane grows its buffers to it; one
-        smaller than a lane's buffers, as benchmarks set, reads that much into them)."""
+        """Bytes per op of a file not in the page cache, and per buffered read of it (a lane grows
+        its buffers to it then; O_DIRECT reads it in DIRECT_READ_BYTES spans, in the buffers a
+        lane has)."""
         return COLD_READ_BYTES
 
     @property
@@ -670,8 +676,9 @@ class CudaWriter(ArenaWriter):
     """Fills an arena from files: each loader thread preads into its lane's pinned buffers and
     copies them to the arena (mapped read-write here for the fill) on the lane's stream.
 
-    Files mostly in the page cache are read in cache-sized pieces; the others in large reads,
-    through O_DIRECT with `cold_reads = "direct"` (where the file system allows it). A file that
+    Files mostly in the page cache are read in cache-sized pieces; the others in ops of
+    COLD_READ_BYTES, read with O_DIRECT in DIRECT_READ_BYTES spans (`cold_reads = "direct"`, the
+    default, where the file system allows it) or buffered, one read per op. A file that
     was not in the page cache at all is dropped from it again when the writer closes (its header,
     and everything where reads were buffered): once per file, because dropping each range as it
     was read made the H200 machine's buffered cold fill 20% slower (1.63 against 2.06 GB/s).
@@ -686,6 +693,7 @@ class CudaWriter(ArenaWriter):
         self._reads: dict[int, int] = {}  # fd -> bytes per read
         self._drop: dict[int, tuple[int, int]] = {}  # fd -> inode, to drop from the page cache at close
         self._direct: dict[int, int] = {}  # fd -> its O_DIRECT descriptor (cold files), closed at close
+        self._refused: set[int] = set()  # fds whose O_DIRECT reads the file system refused: read buffered
         self._inodes: list[tuple[int, int]] = []  # the files this writer reads (`_LOADING`)
         self._ctx = staging.open()
         try:
@@ -738,16 +746,25 @@ class CudaWriter(ArenaWriter):
     def copy_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int) -> None:
         """An op of a cold file read with O_DIRECT is read from the page cache instead where all of
         it is there: a file that was partly cached (under WARM_FRACTION) is read from the cache
-        where it can be, op by op (a `resident` check costs three calls per 16 MiB op)."""
+        where it can be, op by op (a `resident` check costs three calls per 16 MiB op). A file
+        whose O_DIRECT reads its file system refuses (it opened) is read buffered from then on."""
         dst = self._target(arena_offset, nbytes)
         read_bytes = self._reads.get(fd, self._staging.warm_read)
-        direct = self._direct.get(fd)
-        if direct is None:
-            self._lane().copy(fd, file_offset, dst, nbytes, read_bytes)
-        elif resident(fd, file_offset, nbytes):
-            self._lane().copy(fd, file_offset, dst, nbytes, self._staging.warm_read)
-        else:
-            self._lane().copy_direct(direct, file_offset, dst, nbytes, min(read_bytes, DIRECT_READ_BYTES or read_bytes))
+        direct = self._direct.get(fd) if fd not in self._refused else None
+        if direct is not None and resident(fd, file_offset, nbytes):
+            read_bytes = self._staging.warm_read
+        elif direct is not None:
+            try:
+                self._lane().copy_direct(direct, file_offset, dst, nbytes,
+                                         min(read_bytes, DIRECT_READ_BYTES or read_bytes))
+                return
+            except OSError as e:  # a file system that opens with O_DIRECT but will not read so
+                if e.errno not in _REFUSALS:
+                    raise
+                self._refused.add(fd)  # its descriptor stays open (other threads' reads) until close
+                _warn_buffered(fd, e)
+        # The copies an O_DIRECT attempt queued are overwritten: later on the same stream.
+        self._lane().copy(fd, file_offset, dst, nbytes, read_bytes)
 
     def copy_scattered(self, fd: int, file_offset: int, arena_offset: int, nbytes: int, runs: tuple[Run, ...]) -> None:
         """Runs of several wide pieces each (experts of one shape, say): a plain read and a 2D copy
