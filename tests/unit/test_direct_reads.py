@@ -8,6 +8,7 @@ import ctypes
 import fcntl
 import os
 import random
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -108,3 +109,27 @@ def test_open_direct_reopens_the_same_open_file_not_its_path(cuda_module: Any, t
         os.close(fd)
         if direct is not None:
             os.close(direct)
+
+
+def test_the_copy_loop_queues_its_copies_and_records_through_the_calls_that_keep_the_gil(
+        cuda_module: Any, monkeypatch: pytest.MonkeyPatch, direct_file: tuple[bytes, int, int]) -> None:
+    """cuda-bindings' copy and record release the GIL around each call (the threads then queue to
+    take it back): the loop must use `HeldCalls` for both, never the bindings."""
+    cuda, (data, _, direct) = cuda_module, direct_file
+    device = bytearray(len(data) + 8192)
+    lane = _host_lane(cuda, monkeypatch, (1 << 20) + cuda.DIRECT_ALIGN, device)
+    bindings_copy = cuda.cuda.cuMemcpyHtoDAsync
+    calls: list[str] = []
+
+    def refuse(*args: Any) -> None:
+        raise AssertionError("a copy-loop call went through cuda-bindings")
+
+    monkeypatch.setattr(cuda.cuda, "cuMemcpyHtoDAsync", refuse, raising=False)
+    monkeypatch.setattr(cuda.cuda, "cuEventRecord", refuse, raising=False)
+    held = types.SimpleNamespace(
+        memcpy_htod_async=lambda dst, src, n, stream: calls.append("copy") or bindings_copy(dst, src, n, stream)[0],
+        event_record=lambda event, stream: calls.append("record") or cuda._SUCCESS)
+    monkeypatch.setattr(cuda, "_held", lambda: held)
+    lane.copy_direct(direct, 4095, 100, 3 << 20, 1 << 20)
+    assert calls == ["copy", "record"] * 4  # 3 MiB from an unaligned offset: four 1 MiB reads
+    assert device[100 : 100 + (3 << 20)] == data[4095 : 4095 + (3 << 20)]
