@@ -72,6 +72,35 @@ def test_daemon_loads_many_small_tensors_exactly(make_daemon: Any, small_ckpt: P
     assert d.stop() == 0
 
 
+def test_a_cold_load_lands_exactly_and_does_not_stall_the_loop(make_daemon: Any, small_ckpt: Path) -> None:  # noqa: F811
+    """Cold (`cold_reads = "direct"`, the default): the big tensor's ops read with O_DIRECT, the
+    small tensors' scattered ops buffered in 16 MiB reads, which grow the fresh loader lanes'
+    pinned buffers (cuMemHostAlloc) while other loader threads queue copies keeping the GIL
+    (`HeldCalls`). A second client's pings must stay fast all the while, and every byte land."""
+    import os
+
+    from tests.integration.pings import assert_fast, pinging
+
+    d = make_daemon(GPU_BUDGET)
+    expected = expected_tensors(small_ckpt)
+    for shard in sorted(small_ckpt.glob("*.safetensors")):
+        fd = os.open(shard, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    with pinging(d) as pings, d.client() as c:
+        c.load("m", small_ckpt, device="cuda:0", wait=True)
+    assert_fast(pings)
+    with d.client() as c, c.acquire("m") as lease:
+        for name, want in expected.items():
+            got = lease.tensors[name]
+            assert same(got.cpu(), want), name
+        del got
+    assert d.stop() == 0
+
+
 @pytest.mark.parametrize("path", ["chosen", "scatter", "gather"])
 @pytest.mark.parametrize("staging", [4 * MiB, 40_000])
 def test_writer_fills_small_tensors_exactly_either_way(small_ckpt: Path, monkeypatch: pytest.MonkeyPatch,
