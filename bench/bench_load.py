@@ -333,7 +333,7 @@ def main() -> int:
         # in 1 MiB spans; "wcd-direct-tiled-24" with 24 loader threads (`load_workers`), not 16;
         # "wcd-direct-512k" in ops of 512 KiB or one tensor, read whole. Buffered: "wcd-noahead" reads
         # nothing ahead while its writer is being made (`loader.READ_AHEAD_BYTES` = 0; in round16, at
-        # 10e6a00, it was the default config without the read-ahead its O_DIRECT loads did then);
+        # 10e6a00, it was the default config without the read-ahead its O_DIRECT loads do);
         # "wcd-sweep" in BENCH_SWEEP_BYTES reads (default 4 MiB), "wcd-direct-sweep" the same with
         # O_DIRECT; "wcd-chunk16" copies tensors larger than a read in 16 MiB ops (`checkpoint.CHUNK_BYTES`),
         # not 64 MiB. Tensors larger than a sweep's read are copied in ops of one read too

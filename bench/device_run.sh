@@ -39,7 +39,7 @@
 #                                     1k cold, two rounds: wcd and fastsafetensors
 #   bash bench/device_run.sh round16  GPU tests; 1.6 GB / 1k cold with a context made per load (staging_linger_s = 0), four
 #                                     rounds: wcd against wcd-noahead (at 10e6a00, where O_DIRECT loads read ahead while the
-#                                     writer was made, those ops from the page cache; reverted since: no gain)
+#                                     writer was made, those ops from the page cache, as now)
 #   bash bench/device_run.sh round15  GPU tests; cold, the new default (O_DIRECT in 512 KiB reads, copies keeping the GIL)
 #                                     against the old (wcd-buffered) and fastsafetensors: 1.6 GB / 1k five rounds, 16 GB two
 #   bash bench/device_run.sh round14  1.6 GB / 1k cold, five rounds: wcd, wcd-direct-tiled and its GIL-keeping, 1 MiB and

@@ -177,11 +177,12 @@ ADVICE_BYTES = 512 << 10
 
 
 def read_ahead(checkpoint: Checkpoint, cached: list[float], nbytes: int,
-               stop: threading.Event | None = None) -> None:
+               stop: threading.Event | None = None, asked: dict[int, tuple[int, int]] | None = None) -> None:
     """Ask the kernel to read the first `nbytes` of tensor data in plan order (shard after shard,
     each from its first tensor) into the page cache, skipping shards that `cached` (their
     `cached_fraction`) says are there already. It queues the reads, ADVICE_BYTES per call, until
-    all are queued or `stop` is set (a hint: an error ends it quietly)."""
+    all are queued or `stop` is set (a hint: an error ends it quietly). `asked` gets, per fd, the
+    file range (start, end) asked for so far."""
     for h, fd, fraction in zip(checkpoint.headers, checkpoint.fds, cached):
         n = min(nbytes, h.file_size - h.data_start)
         if n <= 0:
@@ -190,26 +191,32 @@ def read_ahead(checkpoint: Checkpoint, cached: list[float], nbytes: int,
             for at in range(h.data_start, h.data_start + n, ADVICE_BYTES):
                 if stop is not None and stop.is_set():
                     return
+                size = min(ADVICE_BYTES, h.data_start + n - at)
                 try:
-                    os.posix_fadvise(fd, at, min(ADVICE_BYTES, h.data_start + n - at), os.POSIX_FADV_WILLNEED)
+                    os.posix_fadvise(fd, at, size, os.POSIX_FADV_WILLNEED)
                 except OSError:
                     return
+                if asked is not None:
+                    asked[fd] = (h.data_start, at + size)
         nbytes -= n
 
 
 @contextlib.contextmanager
-def _reading_ahead(checkpoint: Checkpoint, cached: list[float], nbytes: int) -> Iterator[None]:
+def _reading_ahead(checkpoint: Checkpoint, cached: list[float], nbytes: int) -> Iterator[dict[int, tuple[int, int]]]:
     """`read_ahead` in a thread for as long as the block runs, where there is something to read
     ahead; stopped and joined at the block's end (it reads through the checkpoint's descriptors,
-    which the caller closes)."""
+    which the caller closes). Yields what it asked for per fd (`read_ahead`'s `asked`), whole
+    once the block has ended."""
+    asked: dict[int, tuple[int, int]] = {}
     if not nbytes or min(cached, default=1.0) >= 1.0:
-        yield
+        yield asked
         return
     stop = threading.Event()
-    thread = threading.Thread(target=read_ahead, args=(checkpoint, cached, nbytes, stop), name="wcd-read-ahead")
+    thread = threading.Thread(target=read_ahead, args=(checkpoint, cached, nbytes, stop, asked),
+                              name="wcd-read-ahead")
     thread.start()
     try:
-        yield
+        yield asked
     finally:
         stop.set()
         thread.join()
@@ -233,12 +240,12 @@ def fill_arena(
     """
     times = [time.perf_counter()]
     cached = [cached_fraction(fd) for fd in checkpoint.fds]  # before this load reads tensor data
-    with _reading_ahead(checkpoint, cached, READ_AHEAD_BYTES if reads_ahead else 0):
+    with _reading_ahead(checkpoint, cached, READ_AHEAD_BYTES if reads_ahead else 0) as asked:
         writer = arena.writer()
     times.append(time.perf_counter())
     try:
         for fd, fraction in zip(checkpoint.fds, cached):
-            writer.hint(fd, fraction)
+            writer.hint(fd, fraction, asked.get(fd))
         ops = plan if not isinstance(plan, Manifest) else \
             checkpoint.copy_plan(plan, batch=[writer.batch_bytes(fd) or BATCH_BYTES for fd in checkpoint.fds])
         times.append(time.perf_counter())

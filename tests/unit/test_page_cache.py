@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -155,8 +156,11 @@ def test_read_ahead_asks_for_the_first_bytes_in_plan_order_and_skips_cached_shar
         monkeypatch.setattr(os, "posix_fadvise", lambda fd, at, n, advice: asked.append((shard[fd], at, n))
                             if advice == os.POSIX_FADV_WILLNEED else None)
         starts = [h.data_start for h in ckpt.headers]
-        read_ahead(ckpt, [0.0, 1.0, 0.3], 3000 + 5000 + 1234)  # the second shard is all in the page cache
+        ranges: dict[int, tuple[int, int]] = {}
+        read_ahead(ckpt, [0.0, 1.0, 0.3], 3000 + 5000 + 1234, asked=ranges)  # the second shard is all cached
         assert asked == [(0, starts[0], 3000), (2, starts[2], 1234)]
+        fds = ckpt.fds  # what it says it asked for, per fd: what the writer may read from the page cache
+        assert ranges == {fds[0]: (starts[0], starts[0] + 3000), fds[2]: (starts[2], starts[2] + 1234)}
         asked.clear()
         read_ahead(ckpt, [0.0, 0.0, 0.0], 2000)  # less than the first shard holds
         assert asked == [(0, starts[0], 2000)]
@@ -217,7 +221,8 @@ def test_fill_arena_reads_ahead_while_the_writer_is_made_and_stops_then_even_whe
 
     events: list[str] = []
 
-    def slow_read_ahead(ckpt: Checkpoint, cached: list[float], nbytes: int, stop: threading.Event) -> None:
+    def slow_read_ahead(ckpt: Checkpoint, cached: list[float], nbytes: int, stop: threading.Event,
+                        asked: dict[int, tuple[int, int]]) -> None:
         events.append(f"ahead {nbytes} {cached}")
         events.append("ahead stopped" if stop.wait(5) else "ahead ran on")
 
@@ -245,6 +250,45 @@ def test_fill_arena_reads_ahead_while_the_writer_is_made_and_stops_then_even_whe
         with pytest.raises(RuntimeError, match="no writer"):
             fill_arena(NoWriter(), ckpt, manifest, Progress(ckpt.nbytes))  # type: ignore[arg-type]
         assert events == ["writer", "writer"]
+
+
+def test_fill_arena_tells_the_writer_what_it_read_ahead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The range read ahead reaches the writer's `hint` once the read-ahead has stopped (an
+    O_DIRECT writer reads those ops from the page cache)."""
+    import wcd.loader
+
+    hints: list[tuple[int, float, tuple[int, int] | None]] = []
+
+    def quick_read_ahead(ckpt: Checkpoint, cached: list[float], nbytes: int, stop: threading.Event,
+                         asked: dict[int, tuple[int, int]]) -> None:
+        asked[ckpt.fds[0]] = (ckpt.headers[0].data_start, ckpt.headers[0].data_start + 512)
+
+    class Recording:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def hint(self, fd: int, fraction: float, read_ahead: tuple[int, int] | None = None) -> None:
+            hints.append((fd, fraction, read_ahead))
+            self.inner.hint(fd, fraction, read_ahead)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+    class Recorded(HostArena):
+        def writer(self) -> Any:
+            return Recording(super().writer())
+
+    monkeypatch.setattr(wcd.loader, "read_ahead", quick_read_ahead)
+    monkeypatch.setattr(wcd.loader, "cached_fraction", lambda fd: 0.0)
+    with Checkpoint.open(_shards(tmp_path, [4096, 4096])) as ckpt:
+        manifest = ckpt.manifest()
+        arena = Recorded(manifest.size, "hints")
+        try:
+            fill_arena(arena, ckpt, manifest, Progress(ckpt.nbytes), reads_ahead=True)
+        finally:
+            arena.close()
+        start = ckpt.headers[0].data_start
+        assert hints == [(ckpt.fds[0], 0.0, (start, start + 512)), (ckpt.fds[1], 0.0, None)]
 
 
 def test_a_host_fill_with_read_ahead_lands_every_byte(tmp_path: Path) -> None:

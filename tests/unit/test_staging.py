@@ -479,6 +479,25 @@ def test_ops_of_a_direct_file_that_the_page_cache_holds_are_read_from_it(
     writer_parts.staging.release()
 
 
+def test_ops_of_a_direct_file_within_what_was_read_ahead_are_read_from_the_page_cache(
+        cuda: Any, writer_parts: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loader's read-ahead range (`hint`) counts as cached even where mincore cannot tell (a
+    daemon that may only read the file); an op that runs past it goes O_DIRECT."""
+    import os
+
+    monkeypatch.setattr(cuda, "resident", lambda fd, offset, nbytes: False)
+    writer_parts.staging.direct_reads = True
+    (cold,) = _open_fds(tmp_path, 1)
+    w = cuda.CudaWriter(writer_parts.arena, writer_parts.staging)
+    w.hint(cold, 0.0, (100, 100 + 8192))
+    w.copy_from_file(cold, 100, 0, 8192)
+    w.copy_from_file(cold, 100 + 4096, 8192, 8192)
+    assert writer_parts.copies == [(cold, 8192, cuda.STAGING_BYTES), ("direct", os.fstat(cold).st_ino, 8192, 512 << 10)]
+    w.close()
+    os.close(cold)
+    writer_parts.staging.release()
+
+
 def test_a_file_system_that_refuses_o_direct_is_read_buffered_and_said_once(
         cuda: Any, writer_parts: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:

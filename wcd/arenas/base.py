@@ -51,8 +51,9 @@ class ArenaWriter(ABC):
                 self.copy_from_file(fd, file_offset, at, width)
                 file_offset += width
 
-    def hint(self, fd: int, cached_fraction: float) -> None:
-        """How much of the file `fd` (0..1) is in the page cache, told before any copy from it;
+    def hint(self, fd: int, cached_fraction: float, read_ahead: tuple[int, int] | None = None) -> None:
+        """How much of the file `fd` (0..1) is in the page cache, told before any copy from it,
+        and the range (start, end) of it that the loader asked the kernel to read ahead meanwhile;
         writers may read cold files differently. This default ignores it."""
         return None
 

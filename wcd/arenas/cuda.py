@@ -694,6 +694,7 @@ class CudaWriter(ArenaWriter):
         self._drop: dict[int, tuple[int, int]] = {}  # fd -> inode, to drop from the page cache at close
         self._direct: dict[int, int] = {}  # fd -> its O_DIRECT descriptor (cold files), closed at close
         self._refused: set[int] = set()  # fds whose O_DIRECT reads the file system refused: read buffered
+        self._read_ahead: dict[int, tuple[int, int]] = {}  # fd -> the range the loader had read ahead
         self._inodes: list[tuple[int, int]] = []  # the files this writer reads (`_LOADING`)
         self._ctx = staging.open()
         try:
@@ -703,9 +704,11 @@ class CudaWriter(ArenaWriter):
             staging.close()
             raise
 
-    def hint(self, fd: int, cached_fraction: float) -> None:
+    def hint(self, fd: int, cached_fraction: float, read_ahead: tuple[int, int] | None = None) -> None:
         cold = cached_fraction < WARM_FRACTION
         self._reads[fd] = self._staging.cold_read if cold else self._staging.warm_read
+        if read_ahead is not None:
+            self._read_ahead[fd] = read_ahead
         if cold and self._staging.direct_reads and fd not in self._direct:
             direct = open_direct(fd)
             if direct is not None:
@@ -745,13 +748,16 @@ class CudaWriter(ArenaWriter):
 
     def copy_from_file(self, fd: int, file_offset: int, arena_offset: int, nbytes: int) -> None:
         """An op of a cold file read with O_DIRECT is read from the page cache instead where all of
-        it is there: a file that was partly cached (under WARM_FRACTION) is read from the cache
-        where it can be, op by op (a `resident` check costs three calls per 16 MiB op). A file
-        whose O_DIRECT reads its file system refuses (it opened) is read buffered from then on."""
+        it is there: what the loader read ahead while this writer was made (`hint`), and in a file
+        that was partly cached (under WARM_FRACTION) whatever the cache holds, op by op (a
+        `resident` check costs three calls per 16 MiB op). A file whose O_DIRECT reads its file
+        system refuses (it opened) is read buffered from then on."""
         dst = self._target(arena_offset, nbytes)
         read_bytes = self._reads.get(fd, self._staging.warm_read)
         direct = self._direct.get(fd) if fd not in self._refused else None
-        if direct is not None and resident(fd, file_offset, nbytes):
+        start, end = self._read_ahead.get(fd, (0, 0))
+        if direct is not None and (start <= file_offset and file_offset + nbytes <= end
+                                   or resident(fd, file_offset, nbytes)):
             read_bytes = self._staging.warm_read
         elif direct is not None:
             try:
