@@ -79,7 +79,7 @@ def test_a_daemon_that_may_only_read_a_file_sees_it_cold(blob: tuple[Path, int])
     path, fd = blob
     if _fs_type(path) in ("tmpfs", "ramfs"):
         pytest.skip(f"{path}'s file system keeps every page: nothing to drop")
-    assert _dropped(fd) < 0.1  # the owner sees it cold
+    assert _dropped(fd, below=0.02) < 0.02  # the owner sees it cold
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: nobody, with the owner's fd
@@ -96,17 +96,18 @@ def test_a_daemon_that_may_only_read_a_file_sees_it_cold(blob: tuple[Path, int])
     with os.fdopen(r) as out:
         tells, fraction, cached = eval(out.read())  # noqa: S307 - our own child's repr of a tuple
     os.waitpid(pid, 0)
-    assert not tells and fraction < 0.1 and not cached
+    assert not tells and fraction < 0.25 and not cached  # mincore would say 1.0
 
 
-def _dropped(fd: int) -> float:
+def _dropped(fd: int, below: float = 0.1) -> float:
     """Drop the file from the page cache and say how much of it is left there (`cached_fraction`).
-    DONTNEED skips pages still queued for the LRU on other CPUs: tried again, up to 1 s. Each try
-    drops before it checks: a probe (`_probed_fraction`) reads the pages it finds missing."""
+    DONTNEED skips pages still queued for the LRU on other CPUs: tried again, up to 1 s, until
+    less than `below` is left. Each try drops before it checks: a probe (`_probed_fraction`) reads
+    the pages it finds missing."""
     for _ in range(20):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         left = cached_fraction(fd)
-        if left < 0.1:
+        if left < below:
             break
         time.sleep(0.05)
     return left
