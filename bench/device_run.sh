@@ -37,6 +37,9 @@
 #   bash bench/device_run.sh round12b 1.6 GB / 1k cold, six rounds: wcd, wcd-direct-sweep in O_DIRECT spans of at most
 #                                     512 KiB, wcd-direct-512k (the same spans, ops as usual), fastsafetensors; 16 GB /
 #                                     1k cold, two rounds: wcd and fastsafetensors
+#   bash bench/device_run.sh round17  GPU tests (first run of the code after 10e6a00: a cold small-tensor load beside a
+#                                     pinging client, O_DIRECT refusals, read-ahead ranges); cold, the default against
+#                                     wcd-buffered and fastsafetensors: 1.6 GB / 1k five rounds, 1.6 GB / 100k three
 #   bash bench/device_run.sh round16  GPU tests; 1.6 GB / 1k cold with a context made per load (staging_linger_s = 0), four
 #                                     rounds: wcd against wcd-noahead (at 10e6a00, where O_DIRECT loads read ahead while the
 #                                     writer was made, those ops from the page cache, as now)
@@ -159,6 +162,11 @@ case "${1:-tests}" in
     BENCH_SWEEP_BYTES=520192 cold_load round12b-1k 260 1.6:1000 6 wcd,wcd-direct-sweep,wcd-direct-512k,fastsafetensors
     rm -rf /tmp/wcd-bench-load/1.6gb-*
     cold_load round12b-16gb 230 16:1000 2 wcd,fastsafetensors ;;
+  round17)
+    gpu_tests
+    cold_load round17-1k 200 1.6:1000 5 wcd,wcd-buffered,fastsafetensors
+    rm -rf /tmp/wcd-bench-load/1.6gb-1000
+    cold_load round17-100k 200 1.6:100000 3 wcd,wcd-buffered,fastsafetensors ;;
   round16)
     gpu_tests
     BENCH_DAEMON_CONFIG="staging_linger_s = 0" cold_load round16-linger0 150 1.6:1000 4 wcd,wcd-noahead
