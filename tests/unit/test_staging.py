@@ -441,9 +441,7 @@ def test_direct_reads_span_at_most_direct_read_bytes_in_ops_of_the_cold_read_siz
 
     monkeypatch.setattr(cuda, "DIRECT_READ_BYTES", direct_read_bytes)
     monkeypatch.setattr(cuda, "resident", lambda fd, offset, nbytes: False)
-    writer_parts.staging.direct_reads = True
-    (cold,) = _open_fds(tmp_path, 1)
-    w = cuda.CudaWriter(writer_parts.arena, writer_parts.staging)
+    w, cold = _direct_writer(cuda, writer_parts, tmp_path)
     w.hint(cold, 0.0)
     assert w.batch_bytes(cold) == cuda.COLD_READ_BYTES == 16 << 20
     w.copy_from_file(cold, 0, 0, 4096)
@@ -466,9 +464,7 @@ def test_ops_of_a_direct_file_that_the_page_cache_holds_are_read_from_it(
         return offset + nbytes <= 8192
 
     monkeypatch.setattr(cuda, "resident", resident)
-    writer_parts.staging.direct_reads = True
-    (cold,) = _open_fds(tmp_path, 1)
-    w = cuda.CudaWriter(writer_parts.arena, writer_parts.staging)
+    w, cold = _direct_writer(cuda, writer_parts, tmp_path)
     w.hint(cold, 0.0)
     w.copy_from_file(cold, 0, 0, 8192)
     w.copy_from_file(cold, 8192, 8192, 4096)
@@ -486,9 +482,7 @@ def test_ops_of_a_direct_file_within_what_was_read_ahead_are_read_from_the_page_
     import os
 
     monkeypatch.setattr(cuda, "resident", lambda fd, offset, nbytes: False)
-    writer_parts.staging.direct_reads = True
-    (cold,) = _open_fds(tmp_path, 1)
-    w = cuda.CudaWriter(writer_parts.arena, writer_parts.staging)
+    w, cold = _direct_writer(cuda, writer_parts, tmp_path)
     w.hint(cold, 0.0, (100, 100 + 8192))
     w.copy_from_file(cold, 100, 0, 8192)
     w.copy_from_file(cold, 100 + 4096, 8192, 8192)
@@ -506,19 +500,12 @@ def test_a_file_system_that_refuses_o_direct_is_read_buffered_and_said_once(
     import logging
     import os
 
-    real_open = os.open
-
-    def refusing_open(path: Any, flags: int, *args: Any) -> int:
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, *args)
-
-    monkeypatch.setattr(os, "open", refusing_open)
+    _o_direct_opens_fail(monkeypatch, errno.EINVAL, "Invalid argument")
     monkeypatch.setattr(cuda, "_BUFFERED_DEVICES", set())
     caplog.set_level(logging.INFO, logger="wcd")
     writer_parts.staging.direct_reads = True
     first, second = _open_fds(tmp_path, 2)
-    other = real_open("/dev/null", os.O_RDONLY)  # another file system
+    other = os.open("/dev/null", os.O_RDONLY)  # another file system
     if os.fstat(other).st_dev == os.fstat(first).st_dev:
         pytest.skip(f"{tmp_path} is on /dev's file system")
     for fds in ([first, second], [first, second, other]):  # two loads
@@ -803,6 +790,27 @@ def test_on_an_exclusive_process_gpu_the_check_after_a_restart_takes_no_context(
         arena._fd = -1  # closed: its fake handle is not the driver's to release
 
 
+def _direct_writer(cuda: Any, writer_parts: Any, tmp_path: Any) -> tuple[Any, int]:
+    """A CudaWriter that reads cold files with O_DIRECT, and one 4 KiB file for it (the caller closes both)."""
+    writer_parts.staging.direct_reads = True
+    (cold,) = _open_fds(tmp_path, 1)
+    return cuda.CudaWriter(writer_parts.arena, writer_parts.staging), cold
+
+
+def _o_direct_opens_fail(monkeypatch: pytest.MonkeyPatch, error: int, message: str) -> None:
+    """`os.open` with O_DIRECT fails with `error`; other opens go through."""
+    import os
+
+    real_open = os.open
+
+    def opener(path: Any, flags: int, *args: Any) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(error, message)
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", opener)
+
+
 def _refused_line(path: str) -> str:
     return (f'cannot read {path} with O_DIRECT (Invalid argument): cold reads from its file system go through the '
             'page cache instead (cold_reads = "direct", the default); set cold_reads = "buffered" to silence this')
@@ -827,9 +835,7 @@ def test_a_file_system_that_opens_with_o_direct_but_refuses_its_reads_is_read_bu
     monkeypatch.setattr(cuda, "resident", lambda fd, offset, nbytes: False)
     monkeypatch.setattr(cuda, "_BUFFERED_DEVICES", set())
     caplog.set_level(logging.INFO, logger="wcd")
-    writer_parts.staging.direct_reads = True
-    (cold,) = _open_fds(tmp_path, 1)
-    w = cuda.CudaWriter(writer_parts.arena, writer_parts.staging)
+    w, cold = _direct_writer(cuda, writer_parts, tmp_path)
     w.hint(cold, 0.5)
     w.copy_from_file(cold, 0, 0, 4096)
     w.copy_from_file(cold, 0, 4096, 4096)
@@ -849,18 +855,9 @@ def test_out_of_descriptors_for_o_direct_fails_the_load_not_the_file_system(
     import errno
     import os
 
-    real_open = os.open
-
-    def exhausted(path: Any, flags: int, *args: Any) -> int:
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EMFILE, "Too many open files")
-        return real_open(path, flags, *args)
-
-    monkeypatch.setattr(os, "open", exhausted)
+    _o_direct_opens_fail(monkeypatch, errno.EMFILE, "Too many open files")
     monkeypatch.setattr(cuda, "_BUFFERED_DEVICES", set())
-    writer_parts.staging.direct_reads = True
-    (cold,) = _open_fds(tmp_path, 1)
-    w = cuda.CudaWriter(writer_parts.arena, writer_parts.staging)
+    w, cold = _direct_writer(cuda, writer_parts, tmp_path)
     with pytest.raises(OSError, match="Too many open files"):
         w.hint(cold, 0.0)
     assert not cuda._BUFFERED_DEVICES  # the file system was not marked as refusing O_DIRECT
