@@ -92,23 +92,42 @@ def cached_fraction(fd: int, windows: int = 64, window_pages: int = 64) -> float
         return 1.0
     if not mincore_tells(fd):
         return _probed_fraction(fd, size, windows)
-    libc = _libc()
-    addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-    if addr in (None, ctypes.c_void_p(-1).value):
-        return 1.0
-    try:
+    with _mapped(fd, 0, size) as addr:
+        if addr is None:
+            return 1.0
         pages = -(-size // mmap.PAGESIZE)
         span = min(window_pages, pages)
         starts = sorted({i * (pages - span) // max(1, windows - 1) for i in range(windows)})
-        vec = (ctypes.c_ubyte * span)()
         resident = 0
         for page in starts:
-            if libc.mincore(addr + page * mmap.PAGESIZE, span * mmap.PAGESIZE, vec) != 0:
+            found = _resident_pages(addr + page * mmap.PAGESIZE, span)
+            if found < 0:
                 return 1.0
-            resident += bytes(vec).translate(_RESIDENT).count(1)
+            resident += found
         return resident / (span * len(starts))
+
+
+@contextlib.contextmanager
+def _mapped(fd: int, offset: int, length: int) -> Iterator[int | None]:
+    """A shared read-only mapping of the file's `length` bytes from `offset` (page-aligned) for
+    mincore, never touched (a file truncated meanwhile cannot fault); None if it cannot be made."""
+    libc = _libc()
+    addr = libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        yield None
+        return
+    try:
+        yield addr
     finally:
-        libc.munmap(addr, size)
+        libc.munmap(addr, length)
+
+
+def _resident_pages(addr: int, pages: int) -> int:
+    """How many of the `pages` mapped pages from `addr` are in the page cache (mincore); -1 if it fails."""
+    vec = (ctypes.c_ubyte * pages)()
+    if _libc().mincore(addr, pages * mmap.PAGESIZE, vec) != 0:
+        return -1
+    return bytes(vec).translate(_RESIDENT).count(1)
 
 
 def _probed_fraction(fd: int, size: int, windows: int) -> float:
@@ -138,18 +157,11 @@ def resident(fd: int, offset: int, nbytes: int) -> bool:
         return True
     if not mincore_tells(fd):
         return False
-    libc = _libc()
     start = offset - offset % mmap.PAGESIZE
     length = offset + nbytes - start
-    addr = libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
-    if addr in (None, ctypes.c_void_p(-1).value):
-        return False
-    try:
+    with _mapped(fd, start, length) as addr:
         pages = -(-length // mmap.PAGESIZE)
-        vec = (ctypes.c_ubyte * pages)()
-        return libc.mincore(addr, length, vec) == 0 and bytes(vec).translate(_RESIDENT).count(1) == pages
-    finally:
-        libc.munmap(addr, length)
+        return addr is not None and _resident_pages(addr, pages) == pages
 
 
 @functools.cache
