@@ -49,8 +49,8 @@ _FLAGS = ("CU_STREAM_NON_BLOCKING", "CU_MEM_LOCATION_TYPE_DEVICE", "CU_MEM_ACCES
 class CountingDriver(FakeDriver):
     """The fake driver, counting every call; copies are checked and counted but not run (no device bytes)."""
 
-    def __init__(self, ok: Any) -> None:
-        super().__init__(ok)
+    def __init__(self, ok: Any, not_ready: Any) -> None:
+        super().__init__(ok, not_ready)
         self.counts: collections.Counter[str] = collections.Counter()
         for name in ("CUstream_flags", "CUmemLocationType", "CUmemAccess_flags"):  # not MagicMocks: slow to touch
             setattr(self, name, types.SimpleNamespace(**{k: 0 for k in _FLAGS}))
@@ -73,7 +73,7 @@ class CountingDriver(FakeDriver):
 
 
 def count(path: Path, workers: int) -> dict[str, Any]:
-    fake = CountingDriver(wcuda._SUCCESS)
+    fake = CountingDriver(wcuda._SUCCESS, wcuda._NOT_READY)
     reads: collections.Counter[str] = collections.Counter()
     pread_into, gather = wcuda.pread_into, wcuda._Lane.gather
 

@@ -38,8 +38,9 @@
 #                                     512 KiB, wcd-direct-512k (the same spans, ops as usual), fastsafetensors; 16 GB /
 #                                     1k cold, two rounds: wcd and fastsafetensors
 #   bash bench/device_run.sh round17  GPU tests (first run of the code after 10e6a00: a cold small-tensor load beside a
-#                                     pinging client, O_DIRECT refusals, read-ahead ranges); cold, the default against
-#                                     wcd-buffered and fastsafetensors: 1.6 GB / 1k five rounds, 1.6 GB / 100k three
+#                                     pinging client, O_DIRECT refusals, read-ahead ranges); cold, the default (a held
+#                                     event query before each wait) against wcd-sync (always waits), wcd-buffered and
+#                                     fastsafetensors: 1.6 GB / 1k five rounds; 100k three, without wcd-sync
 #   bash bench/device_run.sh round16  GPU tests; 1.6 GB / 1k cold with a context made per load (staging_linger_s = 0), four
 #                                     rounds: wcd against wcd-noahead (at 10e6a00, where O_DIRECT loads read ahead while the
 #                                     writer was made, those ops from the page cache, as now)
@@ -164,9 +165,11 @@ case "${1:-tests}" in
     cold_load round12b-16gb 230 16:1000 2 wcd,fastsafetensors ;;
   round17)
     gpu_tests
-    cold_load round17-1k 200 1.6:1000 5 wcd,wcd-buffered,fastsafetensors
+    cold_load round17-1k 240 1.6:1000 5 wcd,wcd-sync,wcd-buffered,fastsafetensors
+    grep -h "CUDA writer:" "$OUT"/round17-1k*daemon*.log | cut -c1-120
     rm -rf /tmp/wcd-bench-load/1.6gb-1000
-    cold_load round17-100k 200 1.6:100000 3 wcd,wcd-buffered,fastsafetensors ;;
+    cold_load round17-100k 170 1.6:100000 3 wcd,wcd-buffered,fastsafetensors
+    rm -f "$OUT/gpus.txt" ;;  # eight files: the tests' log, two JSON, five daemon logs
   round16)
     gpu_tests
     BENCH_DAEMON_CONFIG="staging_linger_s = 0" cold_load round16-linger0 150 1.6:1000 4 wcd,wcd-noahead

@@ -20,7 +20,8 @@ def held_calls(module: Any) -> types.SimpleNamespace:
     `module.cuda`'s functions as they are when called: a fake's, or a test's stand-ins."""
     return types.SimpleNamespace(
         memcpy_htod_async=lambda dst, src, nbytes, stream: module.cuda.cuMemcpyHtoDAsync(dst, src, nbytes, stream)[0],
-        event_record=lambda event, stream: module.cuda.cuEventRecord(event, stream)[0])
+        event_record=lambda event, stream: module.cuda.cuEventRecord(event, stream)[0],
+        event_query=lambda event: module.cuda.cuEventQuery(event)[0])
 
 
 class FakeStream:
@@ -47,8 +48,9 @@ class FakeEvent:
 class FakeDriver:
     """The part of cuda-bindings' driver API that a CudaWriter uses; device memory is `device`."""
 
-    def __init__(self, ok: Any) -> None:
-        self.ok = ok
+    def __init__(self, ok: Any, not_ready: Any) -> None:
+        self.ok, self.not_ready = ok, not_ready
+        self._queries = 0
         self.device = bytearray()
         self.host: dict[int, Any] = {}  # address -> ctypes buffer (pinned staging)
         self.calls: dict[str, int] = {}
@@ -117,6 +119,16 @@ class FakeDriver:
 
     def cuEventSynchronize(self, event: FakeEvent) -> tuple[Any]:
         if event.pending and event.stream is not None:
+            event.stream.run(until=event)
+        return (self.ok,)
+
+    def cuEventQuery(self, event: FakeEvent) -> tuple[Any]:
+        """Every other query of a pending event finds its copies done (the GPU ran them meanwhile),
+        so a copy loop goes both ways: on at once, and waiting."""
+        if event.pending and event.stream is not None:
+            self._queries += 1
+            if self._queries % 2:
+                return (self.not_ready,)
             event.stream.run(until=event)
         return (self.ok,)
 

@@ -26,7 +26,7 @@ cuda_module = test_staging.cuda_module  # the fixture: wcd.arenas.cuda as it is,
 @pytest.fixture
 def cuda(cuda_module: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     """wcd.arenas.cuda over a FakeDriver."""
-    fake = FakeDriver(cuda_module._SUCCESS)
+    fake = FakeDriver(cuda_module._SUCCESS, cuda_module._NOT_READY)
     monkeypatch.setattr(cuda_module, "cuda", fake)
     cuda_module.fake = fake
     return cuda_module

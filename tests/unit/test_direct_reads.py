@@ -62,6 +62,7 @@ def _host_lane(cuda: Any, monkeypatch: pytest.MonkeyPatch, nbytes: int, device: 
 
     monkeypatch.setattr(cuda, "_check", lambda result, what: None)
     monkeypatch.setattr(cuda.cuda, "cuEventSynchronize", lambda e: (0,), raising=False)
+    monkeypatch.setattr(cuda.cuda, "cuEventQuery", lambda e: (cuda._NOT_READY,), raising=False)
     monkeypatch.setattr(cuda.cuda, "cuEventRecord", lambda e, s: (0,), raising=False)
     monkeypatch.setattr(cuda.cuda, "cuMemcpyHtoDAsync", htod, raising=False)
     return lane
@@ -113,8 +114,10 @@ def test_open_direct_reopens_the_same_open_file_not_its_path(cuda_module: Any, t
 
 def test_the_copy_loop_queues_its_copies_and_records_through_the_calls_that_keep_the_gil(
         cuda_module: Any, monkeypatch: pytest.MonkeyPatch, direct_file: tuple[bytes, int, int]) -> None:
-    """cuda-bindings' copy and record release the GIL around each call (the threads then queue to
-    take it back): the loop must use `HeldCalls` for both, never the bindings."""
+    """cuda-bindings' copy, record and query release the GIL around each call (the threads then
+    queue to take it back): the loop must use `HeldCalls` for them, never the bindings, and wait
+    for a buffer's last copy (`cuEventSynchronize`, which gives the GIL up) only when its query
+    says that copy has not finished."""
     cuda, (data, _, direct) = cuda_module, direct_file
     device = bytearray(len(data) + 8192)
     lane = _host_lane(cuda, monkeypatch, (1 << 20) + cuda.DIRECT_ALIGN, device)
@@ -124,12 +127,35 @@ def test_the_copy_loop_queues_its_copies_and_records_through_the_calls_that_keep
     def refuse(*args: Any) -> None:
         raise AssertionError("a copy-loop call went through cuda-bindings")
 
-    monkeypatch.setattr(cuda.cuda, "cuMemcpyHtoDAsync", refuse, raising=False)
-    monkeypatch.setattr(cuda.cuda, "cuEventRecord", refuse, raising=False)
+    for name in ("cuMemcpyHtoDAsync", "cuEventRecord", "cuEventQuery"):
+        monkeypatch.setattr(cuda.cuda, name, refuse, raising=False)
+    monkeypatch.setattr(cuda.cuda, "cuEventSynchronize", lambda e: calls.append("wait") or (0,), raising=False)
+    answers = iter([cuda._SUCCESS, cuda._NOT_READY] * 2)  # done, not yet, done, not yet
     held = types.SimpleNamespace(
         memcpy_htod_async=lambda dst, src, n, stream: calls.append("copy") or bindings_copy(dst, src, n, stream)[0],
-        event_record=lambda event, stream: calls.append("record") or cuda._SUCCESS)
+        event_record=lambda event, stream: calls.append("record") or cuda._SUCCESS,
+        event_query=lambda event: calls.append("query") or next(answers))
     monkeypatch.setattr(cuda, "_held", lambda: held)
     lane.copy_direct(direct, 4095, 100, 3 << 20, 1 << 20)
-    assert calls == ["copy", "record"] * 4  # 3 MiB from an unaligned offset: four 1 MiB reads
+    # 3 MiB from an unaligned offset: four 1 MiB reads, a wait only after the "not yet"s
+    assert calls == ["query", "copy", "record", "query", "wait", "copy", "record"] * 2
     assert device[100 : 100 + (3 << 20)] == data[4095 : 4095 + (3 << 20)]
+
+
+def test_a_query_that_fails_fails_the_copy_in_one_line(cuda_module: Any, monkeypatch: pytest.MonkeyPatch,
+                                                       direct_file: tuple[bytes, int, int]) -> None:
+    """A query answers an earlier copy's failure (e.g. an illegal address) rather than "not ready":
+    that is the load's error, said once, not a wait that hides it."""
+    cuda, (_, _, direct) = cuda_module, direct_file
+    lane = _host_lane(cuda, monkeypatch, (1 << 20) + cuda.DIRECT_ALIGN, bytearray(4 << 20))
+    waits: list[object] = []
+    monkeypatch.setattr(cuda.cuda, "cuEventSynchronize", lambda e: waits.append(e) or (0,), raising=False)
+
+    def check_held(err: int, what: str) -> None:  # the real one words the code through the bindings
+        raise cuda.Internal(f"{what} {err}")
+
+    monkeypatch.setattr(cuda, "_check_held", check_held)
+    monkeypatch.setattr(cuda, "_held", lambda: types.SimpleNamespace(event_query=lambda event: 700))
+    with pytest.raises(cuda.Internal, match="^cuEventQuery 700$"):
+        lane.copy_direct(direct, 0, 0, 1 << 20, 1 << 20)
+    assert not waits

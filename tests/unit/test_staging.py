@@ -550,7 +550,7 @@ class FakeDriver:
     def __init__(self, cuda: Any, device_bytes: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
         import ctypes
 
-        self.ok = cuda._SUCCESS
+        self.ok, self.not_ready = cuda._SUCCESS, cuda._NOT_READY
         self.device = ctypes.create_string_buffer(device_bytes, len(device_bytes))
         self.pinned: dict[int, Any] = {}
         self.pins = self.streams = self.copies = self.most_in_flight = 0
@@ -559,7 +559,7 @@ class FakeDriver:
         self.recorded: dict[int, tuple[int, int]] = {}  # event -> (stream, seq)
         self.seq = 0
         for name in ("cuStreamCreate", "cuStreamDestroy", "cuStreamSynchronize", "cuEventCreate",
-                     "cuEventDestroy", "cuEventRecord", "cuEventSynchronize", "cuMemHostAlloc",
+                     "cuEventDestroy", "cuEventRecord", "cuEventQuery", "cuEventSynchronize", "cuMemHostAlloc",
                      "cuMemFreeHost", "cuMemcpyDtoHAsync", "cuGetErrorString", "cuMemRelease"):
             monkeypatch.setattr(cuda.cuda, name, getattr(self, name), raising=False)
 
@@ -622,6 +622,13 @@ class FakeDriver:
             _, copy = queue.pop(0)
             if copy:
                 ctypes.memmove(*copy)
+
+    def cuEventQuery(self, event: object) -> tuple[Any]:
+        """Not ready while a copy queued before the event's record is still queued (this GPU runs
+        nothing until it is waited for)."""
+        stream, seq = self.recorded.get(id(event), (0, 0))
+        pending = any(s <= seq for s, _ in self.queue.get(stream, ()))
+        return (self.not_ready if pending else self.ok,)
 
     def cuEventSynchronize(self, event: object) -> tuple[Any]:
         if id(event) in self.recorded:

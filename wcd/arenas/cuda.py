@@ -66,6 +66,13 @@ LINGER_S = 30.0
 # about to start waits for it, and at most this long (an admission can fail after its prepare).
 EXCLUSIVE_PREPARED_S = 5.0
 _SUCCESS = cuda.CUresult.CUDA_SUCCESS
+_NOT_READY = cuda.CUresult.CUDA_ERROR_NOT_READY
+# A loader thread asks whether its next buffer's last copy has finished (a `cuEventQuery` that
+# keeps the GIL) before it waits for that copy (`cuEventSynchronize`, which gives the GIL up and
+# then queues behind the other threads to take it back). The copy of a buffer's few hundred KiB
+# ends long before the thread's next read does, so the wait is nearly always for nothing.
+# False: always wait (bench_load's "wcd-sync", the copy loop until 2026-12-03's seventeenth round).
+QUERY_FIRST = True
 _BAD_DEVICE = (cuda.CUresult.CUDA_ERROR_INVALID_DEVICE, cuda.CUresult.CUDA_ERROR_NO_DEVICE)
 # cuda-bindings 12.9 (the cuda extra's range) runs on R525 and later drivers.
 _DRIVER_HINT = "install the NVIDIA driver (R525 or later), or use device \"cpu\""
@@ -282,6 +289,12 @@ class _Lane:
     def _next(self) -> int:
         """The next buffer in turn, once the copy that last used it has finished."""
         i, self.turn = self.turn, (self.turn + 1) % len(self.ptrs)
+        if QUERY_FIRST:
+            err = _held().event_query(self.events[i])
+            if err == _SUCCESS:
+                return i
+            if err != _NOT_READY:
+                _check_held(err, "cuEventQuery")
         start = time.perf_counter()
         _check(cuda.cuEventSynchronize(self.events[i]), "cuEventSynchronize")
         self.waiting += time.perf_counter() - start

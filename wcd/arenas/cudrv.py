@@ -113,14 +113,15 @@ def load_library(name: str) -> ctypes.CDLL:
 
 
 class HeldCalls:
-    """Two asynchronous driver calls of the loader's copy loop, bound through `ctypes.PyDLL`: they
-    keep the GIL. cuda-bindings releases it around every call, and a thread that gives it up for a
-    call of a few microseconds then waits its turn to take it back behind 15 others (the H200's
-    1.6 GB cold loads in 512 KiB O_DIRECT reads: 0.65-0.97 ms per read outside the read and the
-    waits for copies; 0.34-0.39 ms with these two calls kept). Only calls that never block
-    belong here: a copy from pinned memory onto a stream with at most a lane's buffers queued, and
-    an event record. Streams and events are cuda-bindings' objects (their handles are `int()` of
-    them); each call returns the CUresult as an int. With the copies keeping the GIL, the H200's
+    """Three driver calls of the loader's copy loop, bound through `ctypes.PyDLL`: they keep the GIL.
+    cuda-bindings releases it around every call, and a thread that gives it up for a call of a few
+    microseconds then waits its turn to take it back behind 15 others (the H200's 1.6 GB cold loads
+    in 512 KiB O_DIRECT reads: 0.65-0.97 ms per read outside the read and the waits for copies;
+    0.34-0.39 ms with the copy and the record kept). Only calls that never block belong here: a
+    copy from pinned memory onto a stream with at most a lane's buffers queued, an event record,
+    and an event query (it answers CUDA_ERROR_NOT_READY rather than wait). Streams and events are
+    cuda-bindings' objects (their handles are `int()` of them); each call returns the CUresult as
+    an int. With the copies keeping the GIL, the H200's
     cold loads in 512 KiB O_DIRECT reads spent 0.86 s copying 1.6 GB against 0.95 (medians of five)."""
 
     def __init__(self, library: str = "libcuda.so.1") -> None:
@@ -129,12 +130,17 @@ class HeldCalls:
         self._memcpy.argtypes, self._memcpy.restype = [_u64, _ptr, _size, _ptr], _int
         self._record = lib.cuEventRecord
         self._record.argtypes, self._record.restype = [_ptr, _ptr], _int
+        self._query = lib.cuEventQuery
+        self._query.argtypes, self._query.restype = [_ptr], _int
 
     def memcpy_htod_async(self, dst: int, src: int, nbytes: int, stream: Any) -> int:
         return int(self._memcpy(dst, src, nbytes, int(stream)))
 
     def event_record(self, event: Any, stream: Any) -> int:
         return int(self._record(int(event), int(stream)))
+
+    def event_query(self, event: Any) -> int:
+        return int(self._query(int(event)))
 
 
 class Driver:
