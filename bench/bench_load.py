@@ -340,10 +340,9 @@ def main() -> int:
         # (`checkpoint.CHUNK_BYTES`): the loader threads then take the file one read at a time, in
         # order, whatever the tensors. A read has room for one more block: an op that starts inside
         # a block is still one O_DIRECT read. "wcd-sync" is the default, but waits for every buffer's
-        # last copy without first asking whether it has finished (`cuda.QUERY_FIRST`); "wcd-preadv"
-        # reads one O_DIRECT span at a time per thread, a blocking preadv (the default until
-        # 2026-12-03's eighteenth round), "wcd-aio4" keeps four in flight per thread, not two
-        # (`cuda.DIRECT_DEPTH`). Rounds before
+        # last copy without first asking whether it has finished (`cuda.QUERY_FIRST`). The
+        # eighteenth round's "wcd" (Linux AIO, two O_DIRECT reads in flight per thread),
+        # "wcd-aio4" and "wcd-preadv" (today's "wcd") went with that code (b2a9445). Rounds before
         # 2026-12-03's thirteenth ran the names as bench_load.py defined them at the time (git log).
         sweep_bytes = int(os.environ.get("BENCH_SWEEP_BYTES", 4 << 20))
         sweep = {"wcd.arenas.cuda.COLD_READ_BYTES": sweep_bytes + 4096, "wcd.checkpoint.CHUNK_BYTES": sweep_bytes}
@@ -356,9 +355,7 @@ def main() -> int:
             "wcd-sweep": ("buffered", sweep), "wcd-direct-sweep": ("direct", {**whole, **sweep}),
             "wcd-noahead": ("buffered", {"wcd.loader.READ_AHEAD_BYTES": 0}),
             "wcd-chunk16": ("buffered", {"wcd.checkpoint.CHUNK_BYTES": 16 << 20}),
-            "wcd-sync": (None, {"wcd.arenas.cuda.QUERY_FIRST": 0}),
-            "wcd-preadv": (None, {"wcd.arenas.cuda.DIRECT_DEPTH": 1}),
-            "wcd-aio4": (None, {"wcd.arenas.cuda.DIRECT_DEPTH": 4})}
+            "wcd-sync": (None, {"wcd.arenas.cuda.QUERY_FIRST": 0})}
         daemons = {name: Daemon(Path(tmp) / name, args.device, *variant)
                    for name, variant in variants.items() if name in loaders}
         try:

@@ -37,9 +37,12 @@
 #   bash bench/device_run.sh round12b 1.6 GB / 1k cold, six rounds: wcd, wcd-direct-sweep in O_DIRECT spans of at most
 #                                     512 KiB, wcd-direct-512k (the same spans, ops as usual), fastsafetensors; 16 GB /
 #                                     1k cold, two rounds: wcd and fastsafetensors
-#   bash bench/device_run.sh round18  GPU tests; cold, the default (two O_DIRECT reads in flight per loader thread, Linux
-#                                     AIO) against wcd-aio4 (four), wcd-preadv (one blocking preadv at a time, as before)
-#                                     and fastsafetensors: 1.6 GB / 1k five rounds; 16 GB / 1k two, without wcd-aio4
+#   bash bench/device_run.sh round19  GPU tests; cold, the default against fastsafetensors: 1.6 GB / 1k six rounds,
+#                                     16 GB / 1k three
+#   bash bench/device_run.sh round18  (ran at b2a9445; its variants went with that code) GPU tests; cold, Linux AIO with
+#                                     two O_DIRECT reads in flight per loader thread ("wcd" then) against wcd-aio4 (four),
+#                                     wcd-preadv (one blocking preadv at a time: the default before and after) and
+#                                     fastsafetensors: 1.6 GB / 1k five rounds; 16 GB / 1k two, without wcd-aio4
 #   bash bench/device_run.sh round17  GPU tests (first run of the code after 10e6a00: a cold small-tensor load beside a
 #                                     pinging client, O_DIRECT refusals, read-ahead ranges); cold, the default (a held
 #                                     event query before each wait) against wcd-sync (always waits), wcd-buffered and
@@ -166,6 +169,11 @@ case "${1:-tests}" in
     BENCH_SWEEP_BYTES=520192 cold_load round12b-1k 260 1.6:1000 6 wcd,wcd-direct-sweep,wcd-direct-512k,fastsafetensors
     rm -rf /tmp/wcd-bench-load/1.6gb-*
     cold_load round12b-16gb 230 16:1000 2 wcd,fastsafetensors ;;
+  round19)
+    gpu_tests
+    cold_load round19-1k 200 1.6:1000 6 wcd,fastsafetensors
+    rm -rf /tmp/wcd-bench-load/1.6gb-1000
+    cold_load round19-16gb 260 16:1000 3 wcd,fastsafetensors ;;
   round18)
     gpu_tests
     cold_load round18-1k 240 1.6:1000 5 wcd,wcd-aio4,wcd-preadv,fastsafetensors

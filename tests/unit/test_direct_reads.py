@@ -68,7 +68,6 @@ def _host_lane(cuda: Any, monkeypatch: pytest.MonkeyPatch, nbytes: int, device: 
     return lane
 
 
-@pytest.mark.parametrize("depth", [1, 2, 5])  # one read at a time; in flight (`aio.Aio`), more than the buffers
 @pytest.mark.parametrize(("offset", "nbytes", "read_bytes"), [
     (0, 8 << 20, 1 << 20),  # aligned, many reads
     (4095, 3 << 20, 1 << 20),  # starts one byte before a block boundary
@@ -79,22 +78,18 @@ def _host_lane(cuda: Any, monkeypatch: pytest.MonkeyPatch, nbytes: int, device: 
 ])
 def test_direct_copies_put_every_byte_where_it_belongs(cuda_module: Any, monkeypatch: pytest.MonkeyPatch,
                                                        direct_file: tuple[bytes, int, int], offset: int,
-                                                       nbytes: int, read_bytes: int, depth: int) -> None:
+                                                       nbytes: int, read_bytes: int) -> None:
     cuda, (data, _, direct) = cuda_module, direct_file
     device = bytearray(len(data) + 8192)
-    monkeypatch.setattr(cuda, "DIRECT_DEPTH", depth)
     lane = _host_lane(cuda, monkeypatch, read_bytes + cuda.DIRECT_ALIGN, device)
     lane.copy_direct(direct, offset, 100, nbytes, read_bytes)
-    assert (lane._aio is not None) == (depth > 1) or lane._no_aio
     assert device[100 : 100 + nbytes] == data[offset : offset + nbytes]
     assert not any(device[:100]) and not any(device[100 + nbytes :])
 
 
-@pytest.mark.parametrize("depth", [1, 2])
 def test_a_direct_read_past_the_end_is_an_error_not_garbage(cuda_module: Any, monkeypatch: pytest.MonkeyPatch,
-                                                           direct_file: tuple[bytes, int, int], depth: int) -> None:
+                                                           direct_file: tuple[bytes, int, int]) -> None:
     cuda, (data, _, direct) = cuda_module, direct_file
-    monkeypatch.setattr(cuda, "DIRECT_DEPTH", depth)
     lane = _host_lane(cuda, monkeypatch, (1 << 20) + cuda.DIRECT_ALIGN, bytearray(len(data) + 8192))
     with pytest.raises(OSError, match="unexpected end of file"):
         lane.copy_direct(direct, len(data) - 10, 0, 11, 1 << 20)
@@ -117,9 +112,8 @@ def test_open_direct_reopens_the_same_open_file_not_its_path(cuda_module: Any, t
             os.close(direct)
 
 
-@pytest.mark.parametrize("depth", [1, 2])
 def test_the_copy_loop_queues_its_copies_and_records_through_the_calls_that_keep_the_gil(
-        cuda_module: Any, monkeypatch: pytest.MonkeyPatch, direct_file: tuple[bytes, int, int], depth: int) -> None:
+        cuda_module: Any, monkeypatch: pytest.MonkeyPatch, direct_file: tuple[bytes, int, int]) -> None:
     """cuda-bindings' copy, record and query release the GIL around each call (the threads then
     queue to take it back): the loop must use `HeldCalls` for them, never the bindings, and wait
     for a buffer's last copy (`cuEventSynchronize`, which gives the GIL up) only when its query
@@ -142,15 +136,9 @@ def test_the_copy_loop_queues_its_copies_and_records_through_the_calls_that_keep
         event_record=lambda event, stream: calls.append("record") or cuda._SUCCESS,
         event_query=lambda event: calls.append("query") or next(answers))
     monkeypatch.setattr(cuda, "_held", lambda: held)
-    monkeypatch.setattr(cuda, "DIRECT_DEPTH", depth)
     lane.copy_direct(direct, 4095, 100, 3 << 20, 1 << 20)
     # 3 MiB from an unaligned offset: four 1 MiB reads, a wait only after the "not yet"s
-    if depth == 1:
-        assert calls == ["query", "copy", "record", "query", "wait", "copy", "record"] * 2
-    else:  # two reads in flight: the buffers are taken before either read lands
-        assert calls[:4] == ["query", "query", "wait", "copy"]
-        assert [c for c in calls if c not in ("copy", "record")] == ["query", "query", "wait"] * 2
-        assert " ".join(c for c in calls if c in ("copy", "record")) == " ".join(["copy record"] * 4)
+    assert calls == ["query", "copy", "record", "query", "wait", "copy", "record"] * 2
     assert device[100 : 100 + (3 << 20)] == data[4095 : 4095 + (3 << 20)]
 
 
@@ -171,78 +159,3 @@ def test_a_query_that_fails_fails_the_copy_in_one_line(cuda_module: Any, monkeyp
     with pytest.raises(cuda.Internal, match="^cuEventQuery 700$"):
         lane.copy_direct(direct, 0, 0, 1 << 20, 1 << 20)
     assert not waits
-
-
-def test_a_lane_keeps_its_reads_in_flight_together_in_one_buffer(
-        cuda_module: Any, monkeypatch: pytest.MonkeyPatch, direct_file: tuple[bytes, int, int]) -> None:
-    """A lane of 4 MiB buffers reading 512 KiB spans holds eight reads per buffer: with room for
-    four in flight, four are queued in one `io_submit`, and every byte lands where it belongs."""
-    cuda, (data, _, direct) = cuda_module, direct_file
-    device = bytearray(len(data) + 8192)
-    monkeypatch.setattr(cuda, "DIRECT_DEPTH", 4)
-    lane = _host_lane(cuda, monkeypatch, 4 << 20, device)
-    most, submits = [0], []
-    if lane._in_flight_reads() is None:
-        pytest.skip("no Linux AIO here")
-    aio = lane._aio
-    submit = aio.submit
-
-    def counted(reads: Any) -> None:
-        submits.append(len(reads))
-        submit(reads)
-        most[0] = max(most[0], aio.in_flight)
-
-    monkeypatch.setattr(aio, "submit", counted)
-    lane.copy_direct(direct, 4096, 0, 6 << 20, 512 << 10)
-    assert device[: 6 << 20] == data[4096 : 4096 + (6 << 20)]
-    assert submits[0] == 4 and most[0] == 4 and sum(submits) == 12  # 6 MiB in 512 KiB reads
-    assert aio.in_flight == 0 and sorted(aio._free) == [0, 1, 2, 3]
-
-
-def test_a_failed_read_in_flight_fails_the_copy_after_the_others_land(
-        cuda_module: Any, monkeypatch: pytest.MonkeyPatch, direct_file: tuple[bytes, int, int]) -> None:
-    """The kernel's error for one read (EIO, say) is the op's error, raised only once no read is
-    still filling the lane's buffers; the failed read's bytes are never copied."""
-    import errno
-
-    cuda, (_, _, direct) = cuda_module, direct_file
-    device = bytearray(16 << 20)
-    monkeypatch.setattr(cuda, "DIRECT_DEPTH", 2)
-    lane = _host_lane(cuda, monkeypatch, (1 << 20) + cuda.DIRECT_ALIGN, device)
-    if lane._in_flight_reads() is None:
-        pytest.skip("no Linux AIO here")
-    aio, reap = lane._aio, lane._aio.reap
-
-    def failing(wait: bool = True) -> list[tuple[int, int]]:
-        return [(tag, -errno.EIO if tag == 1 else got) for tag, got in reap(wait)]
-
-    monkeypatch.setattr(aio, "reap", failing)
-    with pytest.raises(OSError) as e:
-        lane.copy_direct(direct, 0, 0, 4 << 20, 1 << 20)
-    assert e.value.errno == errno.EIO and aio.in_flight == 0
-    assert not any(device[1 << 20 : 2 << 20])  # read 1 failed: nothing copied from it
-
-
-def test_without_aio_a_lane_reads_one_at_a_time_and_says_so_once(
-        cuda_module: Any, monkeypatch: pytest.MonkeyPatch, direct_file: tuple[bytes, int, int],
-        caplog: pytest.LogCaptureFixture) -> None:
-    """A kernel without AIO for the daemon (disabled, a sandbox, fs.aio-max-nr reached) still
-    loads: each read is one blocking preadv; a debug line says why, once."""
-    import errno
-    import logging
-
-    cuda, (data, _, direct) = cuda_module, direct_file
-
-    def refused(depth: int) -> None:
-        raise OSError(errno.ENOSYS, "Function not implemented")
-
-    monkeypatch.setattr(cuda, "Aio", refused)
-    monkeypatch.setattr(cuda, "_NO_AIO", [])
-    caplog.set_level(logging.DEBUG, logger="wcd")
-    for _ in range(2):
-        device = bytearray(len(data))
-        lane = _host_lane(cuda, monkeypatch, (1 << 20) + cuda.DIRECT_ALIGN, device)
-        lane.copy_direct(direct, 0, 0, 3 << 20, 1 << 20)
-        assert device[: 3 << 20] == data[: 3 << 20] and lane._aio is None and lane._no_aio
-    assert [r.getMessage() for r in caplog.records if "AIO" in r.getMessage()] == [
-        "no Linux AIO for O_DIRECT reads ([Errno 38] Function not implemented): each loader thread reads one at a time"]

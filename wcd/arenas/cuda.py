@@ -21,7 +21,6 @@ from typing import Any
 
 from cuda.bindings import driver as cuda
 
-from wcd.arenas.aio import Aio
 from wcd.arenas.base import Arena, ArenaBackend, ArenaReader, ArenaWriter, DeviceInfo, pread_into
 from wcd.arenas.cudrv import Gpu, HeldCalls, format_uuid, resolve_gpu
 from wcd.checkpoint import Run
@@ -57,10 +56,6 @@ DIRECT_ALIGN = 4096
 # rounds) and at 1.6 GB (copy phase 0.857 s against 0.940, five); whole 16 MiB O_DIRECT reads had
 # lost to buffered ones (11.77 s against 10.24): 16 threads kept ~145 requests in flight.
 DIRECT_READ_BYTES = 512 << 10
-# O_DIRECT reads one loader thread keeps in flight at once (`aio.Aio`, in its lane's buffers), so
-# the disk stays busy while the thread waits for the GIL; 1, or where the kernel has no AIO for
-# the daemon: one blocking preadv at a time (bench_load's "wcd-preadv").
-DIRECT_DEPTH = 2
 DROP_FRACTION = 0.02  # below this (the header and fingerprint samples this load read), it was not cached
 # Lanes (a stream and its pinned buffers) kept per GPU between loads, and for how long after the
 # last load by default; `configure` sets the latter from the daemon's config.
@@ -244,9 +239,6 @@ class _Lane:
     whose sum against the loader threads' time in the copy phase leaves the work around them
     (driver calls, Python, hand-offs)."""
 
-    _aio: Aio | None = None  # O_DIRECT reads in flight (`_in_flight_reads`)
-    _no_aio = False
-
     def __init__(self, nbytes: int, count: int) -> None:
         self.nbytes = nbytes
         self.turn = 0
@@ -329,74 +321,19 @@ class _Lane:
     def copy_direct(self, fd: int, file_offset: int, dst: int, nbytes: int, read_bytes: int) -> None:
         """`copy` through an O_DIRECT descriptor: each read covers whole DIRECT_ALIGN blocks around
         the wanted bytes (at least one block, whatever `read_bytes` says), and the device copy
-        starts at the first wanted byte in the buffer. DIRECT_DEPTH reads at a time where the
-        kernel has AIO for us (`_copy_in_flight`), else one."""
+        starts at the first wanted byte in the buffer."""
         read_bytes = max(read_bytes, DIRECT_ALIGN)
         self.fit(read_bytes)
         room = min(read_bytes, self.nbytes) // DIRECT_ALIGN * DIRECT_ALIGN  # whole blocks per read, >= 1
-        spans = _spans(file_offset, dst, nbytes, room)
-        aio = self._in_flight_reads()
-        if aio is not None:
-            self._copy_in_flight(aio, fd, spans, room)
-            return
-        for offset, span, skip, n, at in spans:
+        while nbytes:
             i = self._next()
-            self._read(_pread_direct, fd, self.views[i][:span], offset, skip + n)
-            self._copy1d(at, self.ptrs[i] + skip, n)
+            skip = file_offset % DIRECT_ALIGN
+            n = min(nbytes, room - skip)
+            span = -(-(skip + n) // DIRECT_ALIGN) * DIRECT_ALIGN
+            self._read(_pread_direct, fd, self.views[i][:span], file_offset - skip, skip + n)
+            self._copy1d(dst, self.ptrs[i] + skip, n)
             self._record(i)
-
-    def _in_flight_reads(self) -> Aio | None:
-        """This lane's AIO context (made at its first O_DIRECT op), or None: DIRECT_DEPTH is 1, or
-        the kernel refused one (said once per daemon, at debug level: the reads still work)."""
-        if self._aio is None and DIRECT_DEPTH > 1 and not self._no_aio:
-            try:
-                self._aio = Aio(DIRECT_DEPTH)
-            except OSError as e:
-                self._no_aio = True
-                if not _NO_AIO:
-                    _NO_AIO.append(e)
-                    log.debug("no Linux AIO for O_DIRECT reads (%s): each loader thread reads one at a time", e)
-        return self._aio
-
-    def _copy_in_flight(self, aio: Aio, fd: int, spans: Iterator[tuple[int, int, int, int, int]], room: int) -> None:
-        """`copy_direct`'s reads, `aio.depth` in flight: each buffer holds as many reads as fit
-        (`room` each), is taken in turn once its last copy has finished (`_next`) and none of its
-        reads is in flight, and each read's copy is queued as it lands. On failure, what is in
-        flight lands before the error leaves (the buffers are its DMA targets)."""
-        per_buffer = max(self.nbytes // room, 1)
-        reading = [0] * len(self.ptrs)  # reads in flight per buffer
-        pending: dict[int, tuple[int, int, int, int, int]] = {}  # tag -> buffer, address, skip, bytes, device address
-        free: list[tuple[int, int]] = []  # (buffer, address) of the taken buffer's unused room
-        tag, span_next = 0, next(spans, None)
-        try:
-            while span_next is not None or pending:
-                batch = []
-                while span_next is not None and len(pending) < aio.depth:
-                    if not free:
-                        if reading[self.turn]:
-                            break
-                        i = self._next()
-                        free = [(i, self.ptrs[i] + k * room) for k in range(per_buffer)]
-                    i, address = free.pop(0)
-                    offset, span, skip, n, at = span_next
-                    reading[i] += 1
-                    pending[tag] = (i, address, skip, n, at)
-                    batch.append((tag, fd, address, span, offset))
-                    tag, span_next = tag + 1, next(spans, None)
-                if batch:
-                    self._read(aio.submit, batch)
-                for done, got in self._read(aio.reap):
-                    i, address, skip, n, at = pending.pop(done)
-                    reading[i] -= 1
-                    if got < 0:
-                        raise OSError(-got, os.strerror(-got))
-                    if got < skip + n:  # O_DIRECT reads are short only at the file's end
-                        raise OSError(errno.EIO, "unexpected end of file")
-                    self._copy1d(at, address + skip, n)
-                    self._record(i)
-        except BaseException:
-            aio.drain()
-            raise
+            file_offset, dst, nbytes = file_offset + n, dst + n, nbytes - n
 
     def gather(self, fd: int, file_offset: int, dst: int, nbytes: int, runs: tuple[Run, ...]) -> bool:
         """One preadv scatters a file range into a staging buffer laid out like the arena's `nbytes`
@@ -491,29 +428,13 @@ class _Lane:
 
     def close(self) -> None:
         views, ptrs, events, self.views, self.ptrs, self.events = self.views, self.ptrs, self.events, [], [], []
-        aio, self._aio = self._aio, None
         _cleanup(
-            *([aio.close] if aio is not None else []),  # nothing is in flight between ops; if it were, it lands first
             lambda: _check(cuda.cuStreamSynchronize(self.stream), "cuStreamSynchronize"),
             *(v.release for v in views),
             *(lambda p=p: _check(cuda.cuMemFreeHost(p), "cuMemFreeHost") for p in ptrs),
             *(lambda e=e: _check(cuda.cuEventDestroy(e), "cuEventDestroy") for e in events),
             lambda: _check(cuda.cuStreamDestroy(self.stream), "cuStreamDestroy"),
         )
-
-
-def _spans(file_offset: int, dst: int, nbytes: int, room: int) -> Iterator[tuple[int, int, int, int, int]]:
-    """O_DIRECT reads of `nbytes` at `file_offset`, each of whole DIRECT_ALIGN blocks and at most
-    `room` bytes: (aligned file offset, bytes to read, wanted bytes' offset in them, wanted bytes,
-    their device address)."""
-    while nbytes:
-        skip = file_offset % DIRECT_ALIGN
-        n = min(nbytes, room - skip)
-        yield file_offset - skip, -(-(skip + n) // DIRECT_ALIGN) * DIRECT_ALIGN, skip, n, dst
-        file_offset, dst, nbytes = file_offset + n, dst + n, nbytes - n
-
-
-_NO_AIO: list[OSError] = []  # the kernel's refusal of an AIO context, once logged
 
 
 def _pread_direct(fd: int, view: memoryview, offset: int, need: int) -> None:
