@@ -54,7 +54,9 @@ DIRECT_ALIGN = 4096
 # 16 MiB bounce budget over 16 threads x 2). On the H200 machines, with the copies keeping the GIL
 # (`HeldCalls`), 512 KiB spans beat buffered 16 MiB reads at 16 GB (7.29 s against 8.54, two
 # rounds) and at 1.6 GB (copy phase 0.857 s against 0.940, five); whole 16 MiB O_DIRECT reads had
-# lost to buffered ones (11.77 s against 10.24): 16 threads kept ~145 requests in flight.
+# lost to buffered ones (11.77 s against 10.24): 16 threads kept ~145 requests in flight. So did
+# two O_DIRECT reads in flight per thread through Linux AIO (b2a9445; 16 GB: 8.23 s against 6.63,
+# queue 24 against 13): that disk serves less per second with more than ~16 reads queued.
 DIRECT_READ_BYTES = 512 << 10
 DROP_FRACTION = 0.02  # below this (the header and fingerprint samples this load read), it was not cached
 # Lanes (a stream and its pinned buffers) kept per GPU between loads, and for how long after the
