@@ -72,8 +72,9 @@ _NOT_READY = cuda.CUresult.CUDA_ERROR_NOT_READY
 # A loader thread asks whether its next buffer's last copy has finished (a `cuEventQuery` that
 # keeps the GIL) before it waits for that copy (`cuEventSynchronize`, which gives the GIL up and
 # then queues behind the other threads to take it back). The copy of a buffer's few hundred KiB
-# ends long before the thread's next read does, so the wait is nearly always for nothing.
-# False: always wait (bench_load's "wcd-sync", the copy loop until 2026-12-03's seventeenth round).
+# ends long before the thread's next read does, so the wait is nearly always for nothing (the
+# H200's 1.6 GB cold loads: 0.27-0.41 thread-seconds of such waits per load before, none after;
+# the clock did not move beyond its noise). False: always wait (bench_load's "wcd-sync").
 QUERY_FIRST = True
 _BAD_DEVICE = (cuda.CUresult.CUDA_ERROR_INVALID_DEVICE, cuda.CUresult.CUDA_ERROR_NO_DEVICE)
 # cuda-bindings 12.9 (the cuda extra's range) runs on R525 and later drivers.

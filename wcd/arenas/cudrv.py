@@ -121,8 +121,8 @@ class HeldCalls:
     copy from pinned memory onto a stream with at most a lane's buffers queued, an event record,
     and an event query (it answers CUDA_ERROR_NOT_READY rather than wait). Streams and events are
     cuda-bindings' objects (their handles are `int()` of them); each call returns the CUresult as
-    an int. With the copies keeping the GIL, the H200's
-    cold loads in 512 KiB O_DIRECT reads spent 0.86 s copying 1.6 GB against 0.95 (medians of five)."""
+    an int. With the copies keeping the GIL, the H200's cold loads in 512 KiB O_DIRECT reads spent
+    0.86 s copying 1.6 GB against 0.95 (medians of five)."""
 
     def __init__(self, library: str = "libcuda.so.1") -> None:
         lib = ctypes.PyDLL(library)  # the handle `load_library` or cuda-bindings already opened
