@@ -340,7 +340,9 @@ def main() -> int:
         # (`checkpoint.CHUNK_BYTES`): the loader threads then take the file one read at a time, in
         # order, whatever the tensors. A read has room for one more block: an op that starts inside
         # a block is still one O_DIRECT read. "wcd-sync" is the default, but waits for every buffer's
-        # last copy without first asking whether it has finished (`cuda.QUERY_FIRST`). The
+        # last copy without first asking whether it has finished (`cuda.QUERY_FIRST`);
+        # "wcd-ahead256" reads up to 256 MiB ahead while its writer is made, not 128
+        # (`loader.READ_AHEAD_BYTES`). The
         # eighteenth round's "wcd" (Linux AIO, two O_DIRECT reads in flight per thread),
         # "wcd-aio4" and "wcd-preadv" (today's "wcd") went with that code (b2a9445). Rounds before
         # 2026-12-03's thirteenth ran the names as bench_load.py defined them at the time (git log).
@@ -355,7 +357,8 @@ def main() -> int:
             "wcd-sweep": ("buffered", sweep), "wcd-direct-sweep": ("direct", {**whole, **sweep}),
             "wcd-noahead": ("buffered", {"wcd.loader.READ_AHEAD_BYTES": 0}),
             "wcd-chunk16": ("buffered", {"wcd.checkpoint.CHUNK_BYTES": 16 << 20}),
-            "wcd-sync": (None, {"wcd.arenas.cuda.QUERY_FIRST": 0})}
+            "wcd-sync": (None, {"wcd.arenas.cuda.QUERY_FIRST": 0}),
+            "wcd-ahead256": (None, {"wcd.loader.READ_AHEAD_BYTES": 256 << 20})}
         daemons = {name: Daemon(Path(tmp) / name, args.device, *variant)
                    for name, variant in variants.items() if name in loaders}
         try:

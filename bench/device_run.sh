@@ -37,6 +37,8 @@
 #   bash bench/device_run.sh round12b 1.6 GB / 1k cold, six rounds: wcd, wcd-direct-sweep in O_DIRECT spans of at most
 #                                     512 KiB, wcd-direct-512k (the same spans, ops as usual), fastsafetensors; 16 GB /
 #                                     1k cold, two rounds: wcd and fastsafetensors
+#   bash bench/device_run.sh round20  1.6 GB / 1k cold with a context made per load (staging_linger_s = 0), six rounds:
+#                                     wcd against wcd-ahead256 (256 MiB read ahead while the writer is made, not 128)
 #   bash bench/device_run.sh round19  GPU tests; cold, the default against fastsafetensors: 1.6 GB / 1k six rounds,
 #                                     16 GB / 1k three
 #   bash bench/device_run.sh round18  (ran at b2a9445; its variants went with that code) GPU tests; cold, Linux AIO with
@@ -169,6 +171,9 @@ case "${1:-tests}" in
     BENCH_SWEEP_BYTES=520192 cold_load round12b-1k 260 1.6:1000 6 wcd,wcd-direct-sweep,wcd-direct-512k,fastsafetensors
     rm -rf /tmp/wcd-bench-load/1.6gb-*
     cold_load round12b-16gb 230 16:1000 2 wcd,fastsafetensors ;;
+  round20)
+    BENCH_DAEMON_CONFIG="staging_linger_s = 0" cold_load round20-linger0 200 1.6:1000 6 wcd,wcd-ahead256
+    grep -h "filled from" "$OUT"/round20-*daemon*.log | cut -c1-160 ;;
   round19)
     gpu_tests
     cold_load round19-1k 200 1.6:1000 6 wcd,fastsafetensors
