@@ -341,8 +341,8 @@ def main() -> int:
         # order, whatever the tensors. A read has room for one more block: an op that starts inside
         # a block is still one O_DIRECT read. "wcd-sync" is the default, but waits for every buffer's
         # last copy without first asking whether it has finished (`cuda.QUERY_FIRST`);
-        # "wcd-ahead256" reads up to 256 MiB ahead while its writer is made, not 128
-        # (`loader.READ_AHEAD_BYTES`). The
+        # "wcd-ahead128" reads up to 128 MiB ahead while its writer is made (`loader.READ_AHEAD_BYTES`),
+        # the default until round20 (whose "wcd-ahead256" is today's default, and its "wcd" this). The
         # eighteenth round's "wcd" (Linux AIO, two O_DIRECT reads in flight per thread),
         # "wcd-aio4" and "wcd-preadv" (today's "wcd") went with that code (b2a9445). Rounds before
         # 2026-12-03's thirteenth ran the names as bench_load.py defined them at the time (git log).
@@ -358,7 +358,7 @@ def main() -> int:
             "wcd-noahead": ("buffered", {"wcd.loader.READ_AHEAD_BYTES": 0}),
             "wcd-chunk16": ("buffered", {"wcd.checkpoint.CHUNK_BYTES": 16 << 20}),
             "wcd-sync": (None, {"wcd.arenas.cuda.QUERY_FIRST": 0}),
-            "wcd-ahead256": (None, {"wcd.loader.READ_AHEAD_BYTES": 256 << 20})}
+            "wcd-ahead128": (None, {"wcd.loader.READ_AHEAD_BYTES": 128 << 20})}
         daemons = {name: Daemon(Path(tmp) / name, args.device, *variant)
                    for name, variant in variants.items() if name in loaders}
         try:

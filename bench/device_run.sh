@@ -38,7 +38,8 @@
 #                                     512 KiB, wcd-direct-512k (the same spans, ops as usual), fastsafetensors; 16 GB /
 #                                     1k cold, two rounds: wcd and fastsafetensors
 #   bash bench/device_run.sh round20  1.6 GB / 1k cold with a context made per load (staging_linger_s = 0), six rounds:
-#                                     wcd against wcd-ahead256 (256 MiB read ahead while the writer is made, not 128)
+#                                     256 MiB read ahead while the writer is made against 128 (it ran at 35809ab as
+#                                     wcd-ahead256 against wcd; 256 is the default since, 128 wcd-ahead128)
 #   bash bench/device_run.sh round19  GPU tests; cold, the default against fastsafetensors: 1.6 GB / 1k six rounds,
 #                                     16 GB / 1k three
 #   bash bench/device_run.sh round18  (ran at b2a9445; its variants went with that code) GPU tests; cold, Linux AIO with
@@ -172,7 +173,7 @@ case "${1:-tests}" in
     rm -rf /tmp/wcd-bench-load/1.6gb-*
     cold_load round12b-16gb 230 16:1000 2 wcd,fastsafetensors ;;
   round20)
-    BENCH_DAEMON_CONFIG="staging_linger_s = 0" cold_load round20-linger0 200 1.6:1000 6 wcd,wcd-ahead256
+    BENCH_DAEMON_CONFIG="staging_linger_s = 0" cold_load round20-linger0 200 1.6:1000 6 wcd-ahead128,wcd
     grep -h "filled from" "$OUT"/round20-*daemon*.log | cut -c1-160 ;;
   round19)
     gpu_tests

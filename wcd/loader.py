@@ -177,10 +177,13 @@ def _libc() -> ctypes.CDLL:
 
 
 # Tensor bytes of a checkpoint that `fill_arena` may ask the kernel to read ahead while the writer
-# is being made: a GPU writer with no context lingering waits for it and its pinned staging (0.096
-# to 0.124 s on the H200 machines) with the disk idle; at the ~1.8 GB/s of those machines' disk
-# that is ~180 MB. The reading ahead stops when the writer is ready, wherever it got to.
-READ_AHEAD_BYTES = 128 << 20
+# is being made: a GPU writer with no context lingering waits for it and its pinned staging (0.09
+# to 0.16 s on the H200 machines) with the disk idle; at the 2-2.3 GB/s those machines' disks
+# served cold loads that is 200-370 MB. The reading ahead stops when the writer is ready, wherever
+# it got to. 1.6 GB cold with a context made per load (2026-12-03, round20, six rounds): 256 MiB
+# kept the disk busy 94% of the clock against 86% with 128, and loaded in 0.858 s against 0.885
+# (medians; faster in 4 of 6).
+READ_AHEAD_BYTES = 256 << 20
 # One POSIX_FADV_WILLNEED reads at most max(io_pages, ra_pages) of what it is asked for (the kernel
 # clamps it in force_page_cache_ra: 8 MiB on the CI VM, ~1 MiB on the H200's), so it is asked in
 # pieces no larger than the smallest such limit Linux sets by default (BLK_DEF_MAX_SECTORS was
