@@ -344,7 +344,7 @@ def main() -> int:
         # "wcd-ahead128" reads up to 128 MiB ahead while its writer is made (`loader.READ_AHEAD_BYTES`),
         # the default until round20 (whose "wcd-ahead256" is today's default, and its "wcd" this). The
         # eighteenth round's "wcd" (Linux AIO, two O_DIRECT reads in flight per thread),
-        # "wcd-aio4" and "wcd-preadv" (today's "wcd") went with that code (b2a9445). Rounds before
+        # "wcd-aio4" and "wcd-preadv" (today's read loop) went with that code (b2a9445). Rounds before
         # 2026-12-03's thirteenth ran the names as bench_load.py defined them at the time (git log).
         sweep_bytes = int(os.environ.get("BENCH_SWEEP_BYTES", 4 << 20))
         sweep = {"wcd.arenas.cuda.COLD_READ_BYTES": sweep_bytes + 4096, "wcd.checkpoint.CHUNK_BYTES": sweep_bytes}
