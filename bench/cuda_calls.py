@@ -33,14 +33,15 @@ except ImportError:
     pkg.bindings = bindings  # type: ignore[attr-defined]
     sys.modules.update({"cuda": pkg, "cuda.bindings": bindings, "cuda.bindings.driver": bindings.driver})
 
+import pytest  # noqa: E402
 from bench_load import write_checkpoint  # noqa: E402
 
-import wcd.arenas.cuda as wcuda  # noqa: E402
 import wcd.loader  # noqa: E402
-from tests.unit.fake_cuda import DEVICE_BASE, FakeDriver, held_calls  # noqa: E402
+from tests.unit.fake_cuda import DEVICE_BASE, ArenaModules, FakeDriver, held_calls  # noqa: E402
 from wcd import key  # noqa: E402
 from wcd.checkpoint import Checkpoint  # noqa: E402
 
+wcuda = ArenaModules()  # wcd.arenas.cuda and the modules under it, patched as one
 _COPIES = ("cuMemcpyHtoDAsync", "cuMemcpy2DAsync")
 _FLAGS = ("CU_STREAM_NON_BLOCKING", "CU_MEM_LOCATION_TYPE_DEVICE", "CU_MEM_ACCESS_FLAGS_PROT_READ",
           "CU_MEM_ACCESS_FLAGS_PROT_READWRITE")
@@ -73,9 +74,9 @@ class CountingDriver(FakeDriver):
 
 
 def count(path: Path, workers: int) -> dict[str, Any]:
-    fake = CountingDriver(wcuda._SUCCESS, wcuda._NOT_READY)
+    fake = CountingDriver(wcuda.SUCCESS, wcuda.NOT_READY)
     reads: collections.Counter[str] = collections.Counter()
-    pread_into, gather = wcuda.pread_into, wcuda._Lane.gather
+    pread_into, gather = wcuda.pread_into, wcuda.Lane.gather
 
     def counted_pread(fd: int, view: memoryview, offset: int) -> None:
         reads["pread"] += 1
@@ -88,10 +89,11 @@ def count(path: Path, workers: int) -> dict[str, Any]:
             reads["gathered_pieces"] += sum(c for _, _, _, c in runs)
         return done
 
-    with mock.patch.object(wcuda, "cuda", fake), mock.patch.object(wcuda, "_held", lambda: held_calls(wcuda)), \
-            mock.patch.object(wcuda, "pread_into", counted_pread), \
-            mock.patch.object(wcuda._Lane, "gather", counted_gather), \
-            mock.patch.object(wcd.loader, "cached_fraction", lambda fd: 1.0), Checkpoint.open(path) as ckpt:
+    with pytest.MonkeyPatch.context() as patch, Checkpoint.open(path) as ckpt:
+        for target, name, value in ((wcuda, "cuda", fake), (wcuda, "held", lambda: held_calls(wcuda)),
+                                    (wcuda, "pread_into", counted_pread), (wcuda.Lane, "gather", counted_gather),
+                                    (wcd.loader, "cached_fraction", lambda fd: 1.0)):
+            patch.setattr(target, name, value)
         manifest = ckpt.manifest()
         gpu = wcuda.Gpu(0, "GPU-fake", "fake")
         staging = wcuda.Staging(gpu, wcuda.STAGING_BYTES, wcuda.STAGING_BUFFERS, 0)

@@ -96,8 +96,8 @@ def warm_sweep(ckpt_dir: Path, configs: list[tuple[int, int, int]]) -> list[dict
                     for _ in range(2):  # first: staging allocated on the clock; second: reused
                         t = time.perf_counter()
                         list(pool.map(functools.partial(_run_op, writer, ckpt.fds), ops))
-                        cuda._check(cuda.cuda.cuCtxSetCurrent(hold), "set")
-                        cuda._check(cuda.cuda.cuCtxSynchronize(), "sync")
+                        cuda.check(cuda.cuda.cuCtxSetCurrent(hold), "set")
+                        cuda.check(cuda.cuda.cuCtxSynchronize(), "sync")
                         passes.append(time.perf_counter() - t)
                 t2 = time.perf_counter()
                 writer.close()
@@ -111,8 +111,8 @@ def warm_sweep(ckpt_dir: Path, configs: list[tuple[int, int, int]]) -> list[dict
                 with ThreadPoolExecutor(threads) as pool:
                     t = time.perf_counter()
                     list(pool.map(functools.partial(_run_op, writer, ckpt.fds), ops))
-                    cuda._check(cuda.cuda.cuCtxSetCurrent(hold), "set")
-                    cuda._check(cuda.cuda.cuCtxSynchronize(), "sync")
+                    cuda.check(cuda.cuda.cuCtxSetCurrent(hold), "set")
+                    cuda.check(cuda.cuda.cuCtxSynchronize(), "sync")
                     passes.append(time.perf_counter() - t)
                 writer.close()
             finally:
@@ -446,7 +446,7 @@ def warm_parts(files: list[Path], threads: int = 16, piece: int = 4 << 20,
     err, dst = cu.cuMemAlloc(total)
     bases = [sum(sizes[:i]) for i in range(len(sizes))]
     jobs = [(i, pos, min(piece, size - pos)) for i, size in enumerate(sizes) for pos in range(0, size, piece)]
-    lanes = [cuda._Lane(piece, 2) for _ in range(threads)]
+    lanes = [cuda.Lane(piece, 2) for _ in range(threads)]
     out: dict[str, object] = {"threads": threads, "piece_MiB": piece >> 20, "GB": total / 1e9}
 
     def run(mode: str) -> float:

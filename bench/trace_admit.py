@@ -21,7 +21,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from wcd import header_helpers  # noqa: E402
-from wcd.checkpoint import Shards, header_columns, member_pieces  # noqa: E402
+from wcd.checkpoint import Shards  # noqa: E402
+from wcd.headers import header_columns, member_pieces
 from wcd.key import first_fingerprint  # noqa: E402
 
 events: list[tuple[float, str, int, int]] = []

@@ -31,7 +31,7 @@ from wcd import parking, systemd
 from wcd.arenas import Arena, ArenaBackend, backend_for, device_memory, is_gpu_device, loaded_backends
 from wcd.cache import Entry, Lease, Origin, Retention
 from wcd.checkpoint import Checkpoint, Shards, open_files
-from wcd.config import Config, ModelConfig, format_size, parse_size
+from wcd.config import Config, ModelConfig
 from wcd.errors import BadRequest, Busy, DeviceUnavailable, LoadFailed, NotFound, WcdError
 from wcd.header_helpers import HeaderHelpers
 from wcd.header_helpers import default_count as default_helpers
@@ -40,6 +40,7 @@ from wcd.loader import Cancelled, content_digest, default_workers, digest_arena,
 from wcd.manifest import Manifest
 from wcd.metrics import Metrics
 from wcd.state import ServerState
+from wcd.units import format_size, parse_size
 from wcd.workers import Pool
 
 log = logging.getLogger("wcd")

@@ -15,7 +15,6 @@ import functools
 import grp
 import logging
 import os
-import pwd
 import resource
 import signal
 import socket
@@ -30,13 +29,15 @@ from typing import Any
 
 from wcd import __version__, ops, protocol, systemd, workers
 from wcd.cache import Cache
-from wcd.config import Config, format_progress, format_size, load_config
+from wcd.config import Config, load_config
 from wcd.connection import Connection, Limits, Quotas, start_closers
 from wcd.errors import BadRequest, Busy, ConfigError, Internal, NotFound, PermissionDenied, WcdError
 from wcd.metrics import Metrics
 from wcd.metrics_http import MetricsHttp
+from wcd.peers import peer_gids
 from wcd.residency import RELEASE_WAIT_S, Residency, device_budgets
 from wcd.state import ServerState
+from wcd.units import format_progress, format_size
 
 log = logging.getLogger("wcd")
 
@@ -271,13 +272,7 @@ class Server:
             return True
         if not self._allowed_gids:
             return False
-        if gid in self._allowed_gids:
-            return True
-        try:
-            user = pwd.getpwuid(uid)
-        except KeyError:
-            return False
-        return bool(self._allowed_gids.intersection(os.getgrouplist(user.pw_name, user.pw_gid)))
+        return not self._allowed_gids.isdisjoint(peer_gids(uid, gid))
 
     def _connection_lost(self, conn: Connection) -> None:
         self.state.connections.discard(conn)

@@ -13,9 +13,11 @@ from typing import Any
 import pytest
 
 import wcd.loader
+import wcd.pagecache
 from wcd.arenas.host import HostArena
 from wcd.checkpoint import Checkpoint
-from wcd.loader import ADVICE_BYTES, Progress, cached_fraction, fill_arena, read_ahead, resident
+from wcd.loader import ADVICE_BYTES, Progress, fill_arena, read_ahead
+from wcd.pagecache import cached_fraction, resident
 
 
 @pytest.fixture
@@ -61,7 +63,7 @@ def test_resident_says_whether_every_page_of_a_range_is_cached(blob: tuple[Path,
 
 def test_where_mincore_would_not_tell_pages_are_probed(blob: tuple[Path, int], monkeypatch: pytest.MonkeyPatch) -> None:
     path, fd = blob
-    monkeypatch.setattr(wcd.loader, "mincore_tells", lambda fd: False)
+    monkeypatch.setattr(wcd.pagecache, "mincore_tells", lambda fd: False)
     assert cached_fraction(fd) == 1.0
     assert not resident(fd, 0, 4096)  # cannot tell: O_DIRECT reads are right either way
     if _fs_type(path) in ("tmpfs", "ramfs"):
@@ -88,7 +90,7 @@ def test_a_daemon_that_may_only_read_a_file_sees_it_cold(blob: tuple[Path, int])
             os.setgroups([])
             os.setgid(65534)
             os.setuid(65534)
-            seen = (wcd.loader.mincore_tells(fd), cached_fraction(fd), resident(fd, 0, 4096))
+            seen = (wcd.pagecache.mincore_tells(fd), cached_fraction(fd), resident(fd, 0, 4096))
             os.write(w, repr(seen).encode())
         finally:
             os._exit(0)

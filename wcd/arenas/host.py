@@ -14,10 +14,10 @@ import os
 import threading
 import time
 
+from wcd import HOST_DEVICE
 from wcd.arenas.base import Arena, ArenaBackend, ArenaWriter, DeviceInfo, FileReader, scratch
 from wcd.checkpoint import Run
 from wcd.errors import BadRequest, Busy, OutOfMemory
-from wcd.key import HOST_DEVICE
 from wcd.manifest import align_up
 
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL

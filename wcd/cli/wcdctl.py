@@ -17,8 +17,8 @@ from typing import Any
 from wcd import __version__
 from wcd.cli import die, quiet_on_closed_pipe
 from wcd.client import Client
-from wcd.config import format_progress, format_size
 from wcd.errors import DaemonUnavailable, PermissionDenied, WcdError
+from wcd.units import format_progress, format_size
 
 PROG = "wcdctl"
 EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE = 1, 2, 3
