@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from tests.integration.conftest import Daemon, sparse_checkpoint
-from tests.integration.peers import Raw
+from tests.integration.peers import Raw, columns
 from tests.integration.pings import assert_fast, pinging
 from wcd.client import Client
 from wcd.errors import DeviceUnavailable, LoadFailed, NotFound, PermissionDenied
@@ -259,7 +259,7 @@ def test_disconnect_during_allocation_reclaims_the_arena(make_daemon):
     with pinging(d) as pings:
         for _ in range(2):
             peer = Raw(d.socket)
-            peer.request("reserve", key=KEY.model_dump(), tensors=[["w", "U8", [GiB]]])
+            peer.request("reserve", key=KEY.model_dump(), columns=columns([["w", "U8", [GiB]]]))
             time.sleep(0.1)  # inside posix_fallocate (~0.5 s per GiB here)
             peer.close()
         wait_until(lambda: memfds(d) == 0)
@@ -344,7 +344,7 @@ def test_commit_digest_survives_evict_and_stop(make_daemon, how):
 def test_double_commit_gets_a_clear_error(make_daemon):
     d = make_daemon()
     peer = Raw(d.socket)
-    peer.request("reserve", key=KEY.model_dump(), tensors=[["w", "F32", [1024]]])
+    peer.request("reserve", key=KEY.model_dump(), columns=columns([["w", "F32", [1024]]]))
     lease = peer.recv()["lease"]
     first, second = peer.request("commit", lease=lease), peer.request("commit", lease=lease)  # pipelined
     replies = {r["id"]: r for r in (peer.recv(), peer.recv())}
