@@ -192,13 +192,13 @@ def test_admin_groups_make_admins(make_daemon, checkpoint):
 def test_bind_does_not_follow_a_symlink_swapped_in(tmp_path, monkeypatch):
     """The attack: between bind and chmod/chown, a peer who can write to the socket's directory
     replaces the socket with a symlink to a file of its choice, which chmod/chown then follow."""
-    from wcd import server
+    from wcd import socketpath
 
     victim = tmp_path / "victim"
     victim.write_text("root's")
     victim.chmod(0o600)
     path = tmp_path / "wcd.sock"
-    real_socket = server.socket.socket
+    real_socket = socketpath.socket.socket
 
     class Swapping(real_socket):  # type: ignore[misc, valid-type]
         def bind(self, address: Any) -> None:
@@ -207,8 +207,8 @@ def test_bind_does_not_follow_a_symlink_swapped_in(tmp_path, monkeypatch):
             planted.symlink_to(victim)
             os.replace(planted, path)  # the swap, at the worst moment
 
-    monkeypatch.setattr(server.socket, "socket", Swapping)
-    sock = server._bind(path, [])
+    monkeypatch.setattr(socketpath.socket, "socket", Swapping)
+    claim = socketpath.claim(path, [])
     monkeypatch.undo()
     try:
         assert stat.S_IMODE(victim.stat().st_mode) == 0o600
@@ -218,7 +218,7 @@ def test_bind_does_not_follow_a_symlink_swapped_in(tmp_path, monkeypatch):
         probe.close()
         assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging left
     finally:
-        sock.close()
+        claim.release()
 
 
 @needs_root
