@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 
 from tests.integration.conftest import Daemon
-from tests.integration.peers import Impostor
+from tests.integration.peers import Impostor, columns
 from tests.integration.pings import assert_fast, pinging
 from wcd.client import Client
 from wcd.errors import BadReply, BadRequest
 from wcd.key import WeightCacheKey
-from wcd.manifest import DTYPE_CODES, TENSOR_COLUMNS, Manifest
+from wcd.manifest import TENSOR_COLUMNS, Manifest
 
 MiB = 1 << 20
 FALLOC_FL_KEEP_SIZE = 1
@@ -29,7 +29,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 def reserve_fd(c: Client, model: str, nbytes: int) -> tuple[dict[str, Any], int]:
     """A fill lease on a `nbytes` arena, and the arena's fd itself (as a hostile publisher keeps it)."""
-    columns = Manifest.build([("w", "U8", [nbytes])]).to_wire(2)
+    columns = Manifest.build([("w", "U8", [nbytes])]).to_wire()
     reply, fds = c.request_fds("reserve", key=WeightCacheKey(model=model, transform="test").model_dump(),
                                retention="cached", columns={k: columns[k] for k in TENSOR_COLUMNS})
     [fd] = fds
@@ -107,15 +107,10 @@ def test_a_commit_of_an_arena_sealed_by_its_publisher_is_refused(make_daemon):
 # -- 4 and 14: layouts no client can map, names no log should print ------------------------------
 
 
-def columns(shape: tuple[int, ...], name: str = "w", dtype: str = "U8") -> dict[str, Any]:
-    """One tensor as a v2 reserve's columns, written by hand (the client's own layout refuses these)."""
-    return {"names": name, "dtypes": bytes([DTYPE_CODES[dtype]]), "shape_ndims": bytes([len(shape)]),
-            "shape_dims": struct.pack(f"<{len(shape)}Q", *shape), "shape_ids": struct.pack("<I", 0)}
-
-
 def manifest(shape: tuple[int, ...], name: str = "w", dtype: str = "U8") -> dict[str, Any]:
     """The same tensor as a v2 manifest at offset 0 of a 4 KiB arena, as an acquire reply carries it."""
-    return {**columns(shape, name, dtype), "size": 4096, "offsets": struct.pack("<Q", 0), "runs": struct.pack("<I", 1)}
+    return {**columns([[name, dtype, shape]]), "size": 4096, "offsets": struct.pack("<Q", 0),
+            "runs": struct.pack("<I", 1)}
 
 
 ABSURD_SHAPES = {
@@ -134,11 +129,9 @@ def test_reserves_of_unaddressable_shapes_are_refused(make_daemon):
         for i, (shape, dtype) in enumerate(ABSURD_SHAPES.values()):
             key = WeightCacheKey(model=f"absurd{i}", transform="test").model_dump()
             with pytest.raises(BadRequest, match="spans more than 2\\*\\*48 elements") as e:
-                c.request_fds("reserve", key=key, retention="cached", columns=columns(shape, dtype=dtype))
+                c.request_fds("reserve", key=key, retention="cached", columns=columns([["w", dtype, shape]]))
             assert "\n" not in e.value.message
-        two = {k: v * 2 if k != "names" else "a\0b" for k, v in columns((1 << 48, 1 << 48)).items()}
-        two["shape_ids"] = struct.pack("<2I", 0, 0)
-        two["shape_ndims"], two["shape_dims"] = bytes([2]), struct.pack("<2Q", 1 << 48, 1 << 48)
+        two = columns([["a", "U8", (1 << 48, 1 << 48)], ["b", "U8", (1 << 48, 1 << 48)]])
         with pytest.raises(BadRequest):
             c.request_fds("reserve", key=WeightCacheKey(model="two", transform="test").model_dump(),
                           retention="cached", columns=two)

@@ -48,7 +48,7 @@ def test_batched_views_equal_per_tensor_views(layout: list[tuple[str, tuple[int,
     m = Manifest.build((f"t{i}", d, s) for i, (d, s) in enumerate(layout))
     base = torch.arange(m.size, dtype=torch.int64).to(torch.uint8)
     check(base, m)
-    g = Manifest.from_wire(m.wire(2))  # in runs, as the daemon sends it
+    g = Manifest.from_wire(m.wire())  # in runs, as the daemon sends it
     check(base, g)
     check(base, g)  # the second build reuses the cached plan
 
@@ -75,7 +75,7 @@ def test_long_runs_come_from_few_calls() -> None:
     layout = []
     for i in range(100):
         layout += [(f"l{i}.a", "BF16", (16, 8)), (f"l{i}.b", "BF16", (8, 16)), (f"l{i}.c", "F32", (4,))]
-    m = Manifest.from_wire(Manifest.build(layout).wire(2))
+    m = Manifest.from_wire(Manifest.build(layout).wire())
     base = torch.zeros(m.size, dtype=torch.uint8)
     check(base, m)
     assert m.view_plan is not None and len(m.view_plan) == 3
