@@ -25,10 +25,10 @@ import torch
 from safetensors.torch import save_file
 
 from tests.integration.conftest import same
+from wcd.adoption import ADOPTING_NOTE
 from wcd.client import Client
 from wcd.errors import Busy, NotFound
 from wcd.key import WeightCacheKey
-from wcd.residency import ADOPTING_NOTE
 
 REPO = Path(__file__).resolve().parents[2]
 
