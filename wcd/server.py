@@ -30,7 +30,7 @@ from typing import Any
 
 from wcd import __version__, ops, protocol, systemd, workers
 from wcd.cache import Cache
-from wcd.config import Config, format_progress, format_size, load_config
+from wcd.config import Config, counted, format_progress, format_size, load_config
 from wcd.connection import Connection, Limits, Quotas, start_closers
 from wcd.errors import BadRequest, Busy, ConfigError, Internal, NotFound, PermissionDenied, WcdError
 from wcd.metrics import Metrics
@@ -76,7 +76,7 @@ class Server:
         loop.set_default_executor(executor)
         config = self._config
         began = time.monotonic()
-        budgets, devices = device_budgets(config)
+        budgets, devices = device_budgets(config, self.config_path or "")
         counted = time.monotonic()
         cache = Cache(budgets, config.daemon.lease_ttl_s, max_entries=config.daemon.max_entries)
         self.state = ServerState(config, self.instance, cache, devices, self.started_at)
@@ -326,7 +326,8 @@ class Server:
             more = f" (+{len(loading) - 1} more)" if len(loading) > 1 else ""
             return f"loading {e.name} {format_progress(e.done_bytes, e.manifest.nbytes)}{more}"
         held = sum(e.nbytes for e in cache.entries.values())
-        return f"serving {len(cache.entries)} entries, {len(cache.leases)} leases, {format_size(held)}"
+        return (f"serving {counted(len(cache.entries), 'entry')}, {counted(len(cache.leases), 'lease')}, "
+                f"{format_size(held)}")
 
     async def _report_status(self) -> None:
         last = ""
@@ -395,8 +396,19 @@ def _bind(path: Path, groups: list[str]) -> socket.socket:
     except PermissionError:
         raise  # the CLI says which file and what to do
     except OSError as e:
-        raise Internal(f"cannot create the socket {path}: {e.strerror or e} (free space there, "
-                       "or pick another --socket)") from None
+        raise Internal(f"cannot create the socket {path}: {e.strerror or e} ({_bind_hint(e)})") from None
+
+
+def _bind_hint(e: OSError) -> str:
+    """What to do about a socket that cannot be made, by its errno."""
+    if e.errno == errno.EROFS:
+        return "pick a --socket on a writable file system, such as /run/wcd or /tmp"
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "free space there, or pick another --socket"
+    if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+        return "that file system does not hold sockets (some network or FUSE file systems): pick a --socket on a " \
+               "local one, such as /run/wcd or /tmp"
+    return "pick another --socket"
 
 
 def _bind_at(path: Path, groups: list[str]) -> socket.socket:
