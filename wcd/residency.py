@@ -32,7 +32,7 @@ from wcd.arenas import Arena, ArenaBackend, backend_for, device_memory, is_gpu_d
 from wcd.cache import Entry, Lease, Origin, Retention
 from wcd.checkpoint import Checkpoint, Shards, open_files
 from wcd.config import Config, ModelConfig, format_size, parse_size
-from wcd.errors import BadRequest, Busy, DeviceUnavailable, LoadFailed, NotFound, WcdError
+from wcd.errors import BadRequest, Busy, ConfigError, DeviceUnavailable, LoadFailed, NotFound, WcdError
 from wcd.header_helpers import HeaderHelpers
 from wcd.header_helpers import default_count as default_helpers
 from wcd.key import HOST_DEVICE, WeightCacheKey, fingerprint_unparsed, first_fingerprint
@@ -75,19 +75,32 @@ def _verification(actual: Digests, mismatched: list[str], against: str) -> Verif
     return Verification(content_digest(actual), len(actual), mismatched, against)
 
 
-def device_budgets(config: Config) -> tuple[dict[str, int], dict[str, str]]:
+def device_budgets(config: Config, source: object = "") -> tuple[dict[str, int], dict[str, str]]:
     """(budget per canonical device, configured name -> canonical id): configured budgets, every
-    model's device, and host memory."""
+    model's device, and host memory. A GPU the host does not have is a `ConfigError` naming the
+    field (`source`: the config file, for the message); a budget above the device's memory is
+    said at warning level (loads then fail when the memory runs out, not at the budget)."""
     wanted: dict[str, int | str] = {HOST_DEVICE: DEFAULT_BUDGET["cpu"]}
-    for model in config.models:
+    fields: dict[str, str] = {}
+    for i, model in enumerate(config.models):
         wanted.setdefault(model.device, DEFAULT_BUDGET["cuda" if model.device != HOST_DEVICE else "cpu"])
+        fields.setdefault(model.device, f"models.{i}.device")
     wanted.update(config.daemon.budget)
+    fields.update({device: f"daemon.budget.{device}" for device in config.daemon.budget})
     budgets: dict[str, int] = {}
     devices: dict[str, str] = {}
     for device, size in wanted.items():
-        canonical, total = device_memory(device)
+        try:
+            canonical, total = device_memory(device)
+        except BadRequest as e:
+            where = f"config {source}: " if source else ""
+            raise ConfigError(f"{where}{fields.get(device, device)}: {e.message}") from None
         devices[device] = canonical
         budgets[canonical] = parse_size(size, total)
+        if budgets[canonical] > total:
+            log.warning("%s: budget %s is more than %s's %s of memory: loads past that fail when the memory "
+                        "runs out; a fraction (\"90%%\") fits any machine", fields.get(device, device),
+                        format_size(budgets[canonical]), device, format_size(total))
     return budgets, devices
 
 
