@@ -179,7 +179,7 @@ class Client:
         self._replies: dict[int | None, tuple[dict[str, Any], list[int]]] = {}
         self._reading = False
         self._broken: WcdError | None = None
-        self._decoder = wire.FrameDecoder()
+        self._decoder = wire.FrameDecoder(max_array=wire.MAX_REPLY_ARRAY)
         self._leases: dict[int, Lease] = {}
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
@@ -233,7 +233,7 @@ class Client:
         self.sock.close()
         for fd in self._decoder.take_fds():
             os.close(fd)
-        self._decoder = wire.FrameDecoder()
+        self._decoder = wire.FrameDecoder(max_array=wire.MAX_REPLY_ARRAY)
         self._broken = None  # _connect's hello goes through request_fds
         try:
             self._connect()
@@ -457,11 +457,9 @@ class Client:
 
         rows = [(name, dtype if isinstance(dtype, str) else wire_dtype(dtype), list(shape))
                 for name, (dtype, shape) in tensors.items()]
-        listing: dict[str, Any] = {"tensors": rows}
-        if self.server.get("version", 1) >= 2:  # columns: cheap for the daemon to check at 10^5 tensors
-            columns = Manifest.build(rows).to_wire(2)
-            listing = {"columns": {k: columns[k] for k in TENSOR_COLUMNS}}
-        reply, fds = self.request_fds("reserve", key=key.model_dump(), retention=retention, **listing)
+        columns = Manifest.build(rows).to_wire()  # cheap for the daemon to check at 10^5 tensors
+        reply, fds = self.request_fds("reserve", key=key.model_dump(), retention=retention,
+                                      columns={k: columns[k] for k in TENSOR_COLUMNS})
         return self._track(FillLease(self, reply, _one_fd(fds)))  # type: ignore[return-value]
 
     def publish(self, key: WeightCacheKey, tensors: Mapping[str, torch.Tensor], *, retention: str = "cached") -> str:

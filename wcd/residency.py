@@ -384,6 +384,10 @@ class Residency:
             self._committing.add(lease_id)
             try:
                 await self._using(None, lease.entry.arena, lambda arena: arena.seal())
+            except BadRequest:  # the arena is not what the daemon handed out: it is never published
+                if self.cache.leases.get(lease_id) is lease:
+                    self.reclaim(self.cache.abort(owner, lease_id))
+                raise
             finally:
                 self._committing.discard(lease_id)
         entry, dropped = self.cache.commit(owner, lease_id)

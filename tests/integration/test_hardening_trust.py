@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from tests.integration.conftest import Daemon, sparse_checkpoint
-from tests.integration.peers import Raw
+from tests.integration.peers import Raw, columns
 from tests.integration.pings import assert_fast, pinging
 from wcd.client import Client
 from wcd.errors import DeviceUnavailable, LoadFailed, NotFound, PermissionDenied
@@ -191,13 +191,13 @@ def test_admin_groups_make_admins(make_daemon, checkpoint):
 def test_bind_does_not_follow_a_symlink_swapped_in(tmp_path, monkeypatch):
     """The attack: between bind and chmod/chown, a peer who can write to the socket's directory
     replaces the socket with a symlink to a file of its choice, which chmod/chown then follow."""
-    from wcd import server
+    from wcd import socketpath
 
     victim = tmp_path / "victim"
     victim.write_text("root's")
     victim.chmod(0o600)
     path = tmp_path / "wcd.sock"
-    real_socket = server.socket.socket
+    real_socket = socketpath.socket.socket
 
     class Swapping(real_socket):  # type: ignore[misc, valid-type]
         def bind(self, address: Any) -> None:
@@ -206,8 +206,8 @@ def test_bind_does_not_follow_a_symlink_swapped_in(tmp_path, monkeypatch):
             planted.symlink_to(victim)
             os.replace(planted, path)  # the swap, at the worst moment
 
-    monkeypatch.setattr(server.socket, "socket", Swapping)
-    sock = server._bind(path, [])
+    monkeypatch.setattr(socketpath.socket, "socket", Swapping)
+    claim = socketpath.claim(path, [])
     monkeypatch.undo()
     try:
         assert stat.S_IMODE(victim.stat().st_mode) == 0o600
@@ -217,7 +217,7 @@ def test_bind_does_not_follow_a_symlink_swapped_in(tmp_path, monkeypatch):
         probe.close()
         assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging left
     finally:
-        sock.close()
+        claim.release()
 
 
 @needs_root
@@ -259,7 +259,7 @@ def test_disconnect_during_allocation_reclaims_the_arena(make_daemon):
     with pinging(d) as pings:
         for _ in range(2):
             peer = Raw(d.socket)
-            peer.request("reserve", key=KEY.model_dump(), tensors=[["w", "U8", [GiB]]])
+            peer.request("reserve", key=KEY.model_dump(), columns=columns([["w", "U8", [GiB]]]))
             time.sleep(0.1)  # inside posix_fallocate (~0.5 s per GiB here)
             peer.close()
         wait_until(lambda: memfds(d) == 0)
@@ -344,7 +344,7 @@ def test_commit_digest_survives_evict_and_stop(make_daemon, how):
 def test_double_commit_gets_a_clear_error(make_daemon):
     d = make_daemon()
     peer = Raw(d.socket)
-    peer.request("reserve", key=KEY.model_dump(), tensors=[["w", "F32", [1024]]])
+    peer.request("reserve", key=KEY.model_dump(), columns=columns([["w", "F32", [1024]]]))
     lease = peer.recv()["lease"]
     first, second = peer.request("commit", lease=lease), peer.request("commit", lease=lease)  # pipelined
     replies = {r["id"]: r for r in (peer.recv(), peer.recv())}
