@@ -137,6 +137,7 @@ def test_wcd_serve_serves_with_stderr_closed(tmp_path):
         assert proc.wait(timeout=30) == 0
 
 
+@pytest.mark.slow
 def test_wcd_demo_runs_and_proves_bit_identical():
     out = run("wcd", "demo", timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -38,6 +38,7 @@ def blocks(language: str) -> list[tuple[int, str]]:
 PYTHON = blocks("python")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("line", "code"), PYTHON, ids=[f"README.md:{n}" for n, _ in PYTHON])
 def test_python_block_runs(make_daemon, tmp_path: Path, line: int, code: str) -> None:
     missing = [m for m in re.findall(r"^\s*(?:from|import) (\w+)", code, re.M) if importlib.util.find_spec(m) is None]
@@ -75,6 +76,7 @@ def test_two_commands_for_a_new_user_and_ci_runs_the_test_one() -> None:
     assert "make test" in ci
 
 
+@pytest.mark.slow
 def test_the_wheel_install_line_matches_what_a_build_makes(tmp_path: Path) -> None:
     """The wheel the README installs is the one `pip wheel .` builds, and it carries wcd and its commands."""
     out = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
