@@ -258,7 +258,7 @@ def test_restart_keeps_weights_through_the_fd_store(fake_systemd, tmp_path):
     with Client(fake_systemd.sock_path) as before:
         lease = before.acquire("llama")
         fake_systemd.wait_for("FDSTORE", "1")
-        fake_systemd.wait_for("STATUS", "serving 1 entries, 1 leases, 132.0 KiB")
+        fake_systemd.wait_for("STATUS", "serving 1 entry, 1 lease, 132.0 KiB")
         shutil.move(ckpt, tmp_path / "moved-away")  # the restart must not need the checkpoint
         assert fake_systemd.stop() == 0
         assert any(m.get("STOPPING") == "1" for m in fake_systemd.messages)
