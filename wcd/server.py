@@ -28,13 +28,14 @@ from typing import Any
 
 from wcd import __version__, ops, protocol, socketpath, systemd, workers
 from wcd.cache import Cache
-from wcd.config import Config, format_progress, format_size, load_config
+from wcd.config import Config, counted, format_progress, format_size, load_config
 from wcd.connection import Connection, Limits, Quotas, start_closers
+from wcd.devices import device_budgets
 from wcd.errors import BadRequest, Busy, ConfigError, NotFound, PermissionDenied, WcdError
 from wcd.metrics import Metrics
 from wcd.metrics_http import MetricsHttp
 from wcd.refusals import Refusals
-from wcd.residency import RELEASE_WAIT_S, Residency, device_budgets
+from wcd.residency import RELEASE_WAIT_S, Residency
 from wcd.state import ServerState
 
 log = logging.getLogger("wcd")
@@ -87,7 +88,7 @@ class Server:
         loop.set_default_executor(executor)
         config = self._config
         began = time.monotonic()
-        budgets, devices = device_budgets(config)
+        budgets, devices = device_budgets(config, self.config_path or "")
         counted = time.monotonic()
         cache = Cache(budgets, config.daemon.lease_ttl_s, max_entries=config.daemon.max_entries)
         self.state = ServerState(config, self.instance, cache, devices, self.started_at)
@@ -351,7 +352,8 @@ class Server:
             more = f" (+{len(loading) - 1} more)" if len(loading) > 1 else ""
             return f"loading {e.name} {format_progress(e.done_bytes, e.manifest.nbytes)}{more}"
         held = sum(e.nbytes for e in cache.entries.values())
-        return f"serving {len(cache.entries)} entries, {len(cache.leases)} leases, {format_size(held)}"
+        return (f"serving {counted(len(cache.entries), 'entry')}, {counted(len(cache.leases), 'lease')}, "
+                f"{format_size(held)}")
 
     async def _report_status(self) -> None:
         last = ""

@@ -210,6 +210,7 @@ def test_a_frame_left_unfinished_after_a_full_batch_does_not_spin_the_loop(make_
 # -- item 4: many leases, many disconnects ------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_disconnects_do_not_scan_every_lease(make_daemon, checkpoint):
     d = make_daemon(model_config(checkpoint[0]))
     holder = Raw(d.socket)
@@ -238,6 +239,7 @@ def test_disconnects_do_not_scan_every_lease(make_daemon, checkpoint):
 # -- item 7: buffered bytes, in and out ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_partial_frames_are_bounded_globally(make_daemon, checkpoint):
     d = make_daemon('max_buffer_bytes = "48MiB"\n' + model_config(checkpoint[0]))
     before = rss(d)
@@ -406,6 +408,7 @@ def frames_of(data: bytes) -> list[dict[str, Any]]:
     return frames
 
 
+@pytest.mark.slow
 def test_one_uid_cannot_take_every_connection(make_daemon, shared_socket):
     d = make_daemon(f"allowed_uids = [{NOBODY}]\nmax_connections = 12\nmax_connections_per_uid = 6\n",
                     socket=shared_socket)

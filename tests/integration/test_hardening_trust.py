@@ -109,6 +109,7 @@ KEY = WeightCacheKey(model="pub", transform="test")
 # -- 11: cross-user poisoning -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @needs_root
 def test_cross_user_poisoning_is_refused(make_daemon, checkpoint, shared_dir):
     """The attack: an allowed uid evicts a pinned configured model, then publishes raw bytes under
@@ -253,6 +254,7 @@ def test_client_checks_who_serves_the_socket(make_daemon, shared_dir):
 # -- 5: cancelled allocations ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_disconnect_during_allocation_reclaims_the_arena(make_daemon):
     """The attack: reserve a big arena and disconnect while posix_fallocate runs, twice."""
     d = make_daemon('budget = { cpu = "6GiB" }\n')
@@ -275,6 +277,7 @@ def test_disconnect_during_allocation_reclaims_the_arena(make_daemon):
 # -- 6: a fill lease's TTL starts when its holder learns its id --------------------------------
 
 
+@pytest.mark.slow
 def test_fill_lease_outliving_its_ttl_while_allocating_still_gets_its_reply(make_daemon):
     """The attack (and plain bad luck): an allocation longer than the lease TTL."""
     # 3 GiB: posix_fallocate takes 0.1-0.5 s per GiB on the VMs this runs on, so well past the TTL.
@@ -293,6 +296,7 @@ def test_fill_lease_outliving_its_ttl_while_allocating_still_gets_its_reply(make
 # -- 9: long work does not starve short work ---------------------------------------------------
 
 
+@pytest.mark.slow
 def test_pipelined_verifies_do_not_starve_short_work(make_daemon):
     """The attack: 4 connections x 64 pipelined verifies of a big entry."""
     d = make_daemon()
@@ -322,6 +326,7 @@ def test_pipelined_verifies_do_not_starve_short_work(make_daemon):
 # -- 16: no arena is closed under a worker -----------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["evict", "stop"])
 def test_commit_digest_survives_evict_and_stop(make_daemon, how):
     """The attack: evict (or stop the daemon) while the digest taken after a commit still runs."""
@@ -375,6 +380,7 @@ def test_overlapping_data_offsets_are_refused(make_daemon, tmp_path):
             c.acquire("x", wait=False)
 
 
+@pytest.mark.slow
 def test_a_huge_reserve_does_not_stall_the_loop(make_daemon):
     """Item 3: a 100,000-tensor reserve (columns, as a v2 client sends them) is decoded in bulk and laid
     out in a worker thread. (The same as v1 rows, validated by pydantic on the loop, stalled pings
@@ -415,6 +421,7 @@ sys.meta_path.insert(0, Imports())
 '''
 
 
+@pytest.mark.slow
 def test_the_loop_starts_no_thread_and_imports_nothing_once_the_workers_are_up(make_daemon, checkpoint, tmp_path,
                                                                                monkeypatch):
     """`Thread.start` waits until the new thread has run: on the loop, behind two busy digest
