@@ -17,6 +17,7 @@ import itertools
 import logging
 import os
 import socket
+import stat
 import struct
 import sys
 import threading
@@ -47,6 +48,18 @@ def default_socket() -> str:
     if not path:
         raise DaemonUnavailable("no daemon socket given: pass one or set WCD_SOCKET (e.g. /run/wcd/NAME.sock)")
     return path
+
+
+def _not_listening(path: str) -> str:
+    """Why nothing answers at `path`: no daemon there, or not a socket at all (a config file, say)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        mode = stat.S_IFSOCK
+    if stat.S_ISSOCK(mode):
+        return f"daemon not running at {path} (is wcd@NAME.socket started?)"
+    what = "a directory" if stat.S_ISDIR(mode) else "a regular file" if stat.S_ISREG(mode) else "a special file"
+    return f"{path} is not a socket but {what}: pass the daemon's socket (/run/wcd/NAME.sock)"
 
 
 class Lease:
@@ -193,7 +206,7 @@ class Client:
             sock.connect(self.path)
         except (FileNotFoundError, ConnectionRefusedError):
             sock.close()
-            raise DaemonUnavailable(f"daemon not running at {self.path} (is wcd@NAME.socket started?)") from None
+            raise DaemonUnavailable(_not_listening(self.path)) from None
         except PermissionError:
             sock.close()
             raise PermissionDenied(f"{self.path}: permission denied (join the socket's group, usually 'wcd')",

@@ -21,10 +21,8 @@ import socket
 import struct
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from contextlib import ExitStack, closing
 from pathlib import Path
 from typing import Any
@@ -408,19 +406,6 @@ def frames_of(data: bytes) -> list[dict[str, Any]]:
     while (item := dec.next_message()) is not None:
         frames.append(item[0])
     return frames
-
-
-@pytest.fixture
-def shared_socket() -> Iterator[Path]:
-    """A socket path another uid can reach (pytest's tmp dirs are root's alone)."""
-    if os.getuid() != 0:
-        pytest.skip("needs root, to connect as another uid")
-    where = Path(tempfile.mkdtemp(prefix="wcd-harden-"))
-    where.chmod(0o755)
-    yield where / "wcd.sock"
-    for p in where.iterdir():
-        p.unlink()
-    where.rmdir()
 
 
 @pytest.mark.slow
