@@ -31,6 +31,16 @@ from wcd.units import parse_size
 
 __all__ = ["CONFIG_DIR", "RUN_DIR", "Config", "ModelConfig", "instance_config_path", "load_config"]
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+# What a device may be called: host memory, a CUDA ordinal, or a GPU UUID (`wcd.arenas.cudrv.resolve_gpu`).
+_DEVICE = re.compile(r"cpu|cuda(?::\d{1,4})?|GPU-[0-9A-Fa-f-]{1,64}")
+
+
+def check_device(name: str) -> str:
+    """`name` if it is spelled like a device; `ValueError` saying how to spell one otherwise. Whether
+    that GPU exists is known only when the daemon starts (`wcd.devices.device_budgets`)."""
+    if not _DEVICE.fullmatch(name):
+        raise ValueError(f"unknown device {name!r}: use \"cpu\", \"cuda:N\" or a GPU UUID (\"GPU-...\")")
+    return name
 
 
 def parse_host_port(value: str) -> tuple[str, int]:
@@ -115,6 +125,7 @@ class DaemonConfig(BaseModel):
     def _sizes(cls, v: dict[str, int | str]) -> dict[str, int | str]:
         for device, size in v.items():
             try:
+                check_device(device)
                 parse_size(size)
             except ValueError as e:
                 raise ValueError(f"{device}: {e}") from None
@@ -160,6 +171,11 @@ class ModelConfig(BaseModel):
     # Shards that are symbolic links are followed only while they stay inside `path` (openat2
     # RESOLVE_BENEATH); true follows them anywhere (a Hugging Face cache's snapshots/ -> blobs/).
     follow_symlinks: bool = False
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        return check_device(v)
 
     @field_validator("path")
     @classmethod

@@ -2,11 +2,10 @@
 
 A manifest never allocates memory. Tensors are C-contiguous, so strides follow from the shape.
 It is stored as columns (names, dtype codes, an index into a table of distinct shapes, offsets)
-and travels that way (protocol v2): raw MoE checkpoints have 10^5 tensors, and an engine pays
-for every per-tensor Python step on its start-up clock. `Manifest.from_wire` validates an
-untrusted layout completely (names, dtypes, shapes, alignment, bounds, overlaps) with bulk
-operations on the columns, never a Python step per tensor. Protocol v1's rows are still read
-and written for v1 peers. No torch here.
+and travels that way: raw MoE checkpoints have 10^5 tensors, and an engine pays for every
+per-tensor Python step on its start-up clock. `Manifest.from_wire` validates an untrusted
+layout completely (names, dtypes, shapes, alignment, bounds, overlaps) with bulk operations on
+the columns, never a Python step per tensor. No torch here.
 """
 
 from __future__ import annotations
@@ -42,14 +41,14 @@ DTYPE_SIZES: dict[str, int] = {
 DTYPES: tuple[str, ...] = tuple(DTYPE_SIZES)
 ITEMSIZES: tuple[int, ...] = tuple(DTYPE_SIZES.values())
 DTYPE_CODES: dict[str, int] = {d: i for i, d in enumerate(DTYPES)}
-# Names the daemon lays out may not hold control characters (they would forge log lines); NUL
-# separates names on the wire, so no name read from the wire can hold it either.
+# Names may not hold control characters, whether the daemon lays them out or a client reads them
+# from a reply: they would forge log lines and terminal output. NUL separates names on the wire.
 _CONTROL_CHAR = re.compile(r"[\x00-\x1f\x7f]")
 _CONTROL_BYTES = bytes(range(32)) + b"\x7f"
 _LITTLE = sys.byteorder == "little"
 
 
-def _has_control(s: str, nul_ok: bool = False) -> bool:
+def has_control(s: str, nul_ok: bool = False) -> bool:
     """`_CONTROL_CHAR.search(s)`, five times faster: UTF-8 never hides these bytes, and deleting
     bytes is a plain C loop where the regex steps through every character. `nul_ok`: NUL is
     allowed (it separates the names of a joined column)."""
@@ -61,7 +60,7 @@ def names_valid(names: Sequence[str]) -> bool:
     """Whether every one of these strs is a name `_check_name` accepts (1..MAX_NAME_LEN characters,
     none a control character), in C-level passes: 10 ms for 100,000 names on the VM."""
     return not names or ("" not in names and max(map(len, names)) <= MAX_NAME_LEN
-                         and not _has_control("".join(names)))
+                         and not has_control("".join(names)))
 
 
 def align_up(n: int, align: int = ALIGN) -> int:
@@ -90,11 +89,6 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-@lru_cache(maxsize=4096)
-def _layout_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
-    return tensor_nbytes("", dtype, shape)
-
-
 def tensor_nbytes(name: str, dtype: str, shape: Sequence[int]) -> int:
     """Validate one (dtype, shape) and return its size in bytes."""
     size = DTYPE_SIZES.get(dtype) if type(dtype) is str else None
@@ -105,13 +99,24 @@ def tensor_nbytes(name: str, dtype: str, shape: Sequence[int]) -> int:
     for d in shape:
         if type(d) is not int or d < 0 or d > MAX_DIM:
             raise BadRequest(f"tensor {name!r}: bad dimension {d!r}", {"tensor": name})
-    return math.prod(shape) * size
+    return _numel(tuple(shape), f"tensor {name!r}: ") * size
 
 
-def _check_name(name: Any, printable: bool = True) -> str:
+def _numel(shape: tuple[int, ...], what: str) -> int:
+    """The element count of a shape of valid dimensions. Its strides must be addressable too (torch's
+    sizes and strides are int64): past MAX_DIM elements, a zero-length dimension counted as 1, the
+    shape is refused, so (0, 2**48, 2**48) is as bad as (2**48, 2**48)."""
+    numel = math.prod(shape)
+    if (numel or math.prod(d or 1 for d in shape)) > MAX_DIM:
+        raise BadRequest(f"{what}shape {list(shape)} spans more than 2**48 elements "
+                         "(zero-length dimensions counted as 1)")
+    return numel
+
+
+def _check_name(name: Any) -> str:
     if type(name) is not str or not name or len(name) > MAX_NAME_LEN:
         raise BadRequest(f"bad tensor name {name!r:.80} (1..{MAX_NAME_LEN} characters)")
-    if _CONTROL_CHAR.search(name) if printable else "\0" in name:
+    if _CONTROL_CHAR.search(name):
         raise BadRequest(f"bad tensor name {name!r:.80} (control characters)")
     return name
 
@@ -150,7 +155,7 @@ class Manifest:
         self.names, self.dtype_codes, self.shapes = names, dtype_codes, shapes
         self.shape_ids, self.offsets, self.sizes, self.size = shape_ids, offsets, sizes, size
         self.runs = runs if runs is not None else array("I", [1]) * len(names)
-        self._wire: dict[int, dict[str, Any]] = {}
+        self._wire: dict[str, Any] | None = None
         self.view_plan: Any = None
 
     # -- building (trusted input: checkpoint headers, reserve requests) ---------------------
@@ -265,10 +270,8 @@ class Manifest:
 
     # -- the wire -----------------------------------------------------------------------------
 
-    def to_wire(self, version: int = 2) -> dict[str, Any]:
-        """The manifest as protocol `version` sends it: v2 columns, v1 rows."""
-        if version == 1:
-            return {"size": self.size, "tensors": [[t.name, t.dtype, list(t.shape), t.offset] for t in self.tensors]}
+    def to_wire(self) -> dict[str, Any]:
+        """The manifest as the wire sends it: columns."""
         return {
             "size": self.size,
             "names": "\0".join(self.names),
@@ -280,27 +283,24 @@ class Manifest:
             "runs": _le_bytes(self.runs),
         }
 
-    def wire(self, version: int) -> dict[str, Any]:
-        """What the daemon sends on every acquire, built once per version: v2 columns in runs."""
-        cached = self._wire.get(version)
-        if cached is None:
-            cached = self._wire[version] = self.grouped().to_wire(version) if version >= 2 else self.to_wire(1)
-        return cached
+    def wire(self) -> dict[str, Any]:
+        """What the daemon sends on every acquire, built once: the columns in runs."""
+        if self._wire is None:
+            self._wire = self.grouped().to_wire()
+        return self._wire
 
-    def wire_ready(self, version: int) -> bool:
-        """Whether `wire(version)` is built (building it for 10^5 tensors takes a while)."""
-        return version in self._wire
+    def wire_ready(self) -> bool:
+        """Whether `wire()` is built (building it for 10^5 tensors takes a while)."""
+        return self._wire is not None
 
     @classmethod
     def from_wire(cls, obj: Any) -> Manifest:
-        """Validate an untrusted manifest, v2 columns or v1 rows: names, dtypes and shapes valid,
-        every tensor aligned and inside `size`, no two overlapping. Raises `BadRequest` only."""
-        if isinstance(obj, dict) and "tensors" in obj:
-            return cls._from_rows(obj)
+        """Validate an untrusted manifest's columns: names, dtypes and shapes valid, every tensor
+        aligned and inside `size`, no two overlapping. Raises `BadRequest` only."""
         if not isinstance(obj, dict) or type(obj.get("size")) is not int or not isinstance(obj.get("names"), str) \
                 or not all(type(obj.get(k)) is bytes for k in _COLUMNS):
             raise BadRequest("manifest must be {size: int, names: str, " + ", ".join(f"{k}: bin" for k in _COLUMNS)
-                             + "} (protocol v2) or {size: int, tensors: [[name, dtype, shape, offset], ...]}")
+                             + "}")
         size, offs_b, n = obj["size"], obj["offsets"], len(obj["dtypes"])
         if size <= 0 or size > MAX_DIM:
             raise BadRequest(f"manifest size {size} out of range")
@@ -336,8 +336,6 @@ class Manifest:
                 or not all(type(obj.get(k)) is bytes for k in TENSOR_COLUMNS[1:]):
             raise BadRequest("tensors must be {names: str, " + ", ".join(f"{k}: bin" for k in TENSOR_COLUMNS[1:]) + "}")
         names, codes, shapes, numels, ids = _tensor_columns(obj)
-        if _has_control(obj["names"], nul_ok=True):
-            _check_name(next(n for n in names if _CONTROL_CHAR.search(n)))
         sizes: list[int] = []
         for i in range(0, len(codes), STEP):  # in steps, as `_tensor_columns` checks
             part_ids, part_codes = ids[i : i + STEP], codes[i : i + STEP]
@@ -373,57 +371,20 @@ class Manifest:
         # of one rounded size (experts, a synthetic checkpoint) are laid out as one range.
         distinct = sizes[:1] if sizes and sizes.count(sizes[0]) == len(sizes) else dict.fromkeys(sizes)
         strides = {n: (n + ALIGN - 1) & -ALIGN for n in distinct}
+        ends: list[int] = []
         if len(strides) == 1:
             (stride,) = strides.values()
             end = stride * len(sizes)
-            offsets = array("Q", range(0, end, stride)) if stride else array("Q", [0]) * len(sizes)
         else:
             ends = list(accumulate(map(strides.__getitem__, sizes), initial=0))
-            end, offsets = ends[-1], array("Q", ends[:-1])
-        size = max(end, ALIGN)
-        if size > MAX_DIM:
-            raise BadRequest(f"the tensors need {size} bytes, more than an arena can hold")
-        return cls(names, codes, shapes, ids, offsets, sizes, size)
-
-    @classmethod
-    def _from_rows(cls, obj: dict[str, Any]) -> Manifest:
-        """Protocol v1: {size, tensors: [[name, dtype, shape, offset], ...]}."""
-        if type(obj.get("size")) is not int or not isinstance(obj.get("tensors"), list):
-            raise BadRequest("manifest must be {size: int, tensors: [[name, dtype, shape, offset], ...]}")
-        size, rows = obj["size"], obj["tensors"]
-        if size <= 0 or size > MAX_DIM or len(rows) > MAX_TENSORS:
-            raise BadRequest(f"manifest size {size} or tensor count {len(rows)} out of range")
-        names: list[str] = []
-        codes = bytearray()
-        shape_index: dict[tuple[int, ...], int] = {}
-        ids, offsets, sizes = array("I"), array("Q"), []
-        seen: set[str] = set()
-        for row in rows:
-            if not isinstance(row, (list, tuple)) or len(row) != 4 or not isinstance(row[2], (list, tuple)):
-                raise BadRequest(f"manifest row {row!r:.80} is not [name, dtype, shape, offset]")
-            name, dtype, shape, offset = _check_name(row[0], printable=False), row[1], tuple(row[2]), row[3]
-            if name in seen:
-                raise BadRequest(f"tensor {name!r} appears twice", {"tensor": name})
-            seen.add(name)
-            # The cache compares by ==, so 1.0 and True would pass for 1: only exact ints go through it.
-            if type(dtype) is str and all(type(d) is int for d in shape):
-                try:
-                    nbytes = _layout_nbytes(dtype, shape)
-                except BadRequest:
-                    nbytes = tensor_nbytes(name, dtype, shape)  # the same error, naming the tensor
-            else:
-                nbytes = tensor_nbytes(name, dtype, shape)
-            if type(offset) is not int or offset < 0 or offset % ALIGN or offset + nbytes > size:
-                raise BadRequest(f"tensor {name!r}: offset {offset!r} not aligned or outside the arena",
-                                 {"tensor": name})
-            names.append(name)
-            codes.append(DTYPE_CODES[dtype])
-            ids.append(shape_index.setdefault(shape, len(shape_index)))
-            offsets.append(offset)
-            sizes.append(nbytes)
-        manifest = cls(tuple(names), bytes(codes), tuple(shape_index), ids, offsets, sizes, size)
-        check_overlaps(manifest.names, offsets, sizes, list(map(add, offsets, sizes)))
-        return manifest
+            end = ends[-1]
+        if end > MAX_DIM:  # before the offsets become uint64s
+            raise BadRequest(f"the tensors need {end} bytes, more than an arena can hold")
+        if ends:
+            offsets = array("Q", ends[:-1])
+        else:
+            offsets = array("Q", range(0, end, stride)) if stride else array("Q", [0]) * len(sizes)
+        return cls(names, codes, shapes, ids, offsets, sizes, max(end, ALIGN))
 
 
 _COLUMNS = ("dtypes", "shape_ndims", "shape_dims", "shape_ids", "offsets", "runs")
@@ -466,6 +427,8 @@ def _tensor_columns(obj: dict[str, Any]) -> tuple[tuple[str, ...], bytes, list[t
     if n and (not joined or "\0\0" in joined or joined[0] == "\0" or joined[-1] == "\0"
               or max(max(map(len, names[i : i + STEP])) for i in range(0, n, STEP)) > MAX_NAME_LEN):
         _check_name(next(s for s in names if not s or len(s) > MAX_NAME_LEN))
+    if has_control(joined, nul_ok=True):
+        _check_name(next(s for s in names if _CONTROL_CHAR.search(s)))
     distinct: set[str] = set()
     for i in range(0, n, STEP):
         distinct.update(names[i : i + STEP])
@@ -485,7 +448,7 @@ def _tensor_columns(obj: dict[str, Any]) -> tuple[tuple[str, ...], bytes, list[t
         shape = tuple(dims[at : at + k])
         at += k
         shapes.append(shape)
-        numels.append(math.prod(shape))
+        numels.append(_numel(shape, "a tensor's "))
     ids = _le_array("I", ids_b)
     if n and max(ids) >= len(shapes):
         raise BadRequest(f"shape index {max(ids)} outside the {len(shapes)} shapes")

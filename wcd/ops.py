@@ -196,8 +196,8 @@ async def acquire(ctx: Context, conn: Connection, req: protocol.Acquire) -> None
                     entry.name, max(0.0, deadline - time.monotonic()))):
                 raise
             entry = ctx.state.cache.find(target)
-    if not entry.manifest.wire_ready(conn.version):  # once per entry and version: 10^5 tensors take a while
-        await asyncio.to_thread(entry.manifest.wire, conn.version)
+    if not entry.manifest.wire_ready():  # once per entry: 10^5 tensors take a while
+        await asyncio.to_thread(entry.manifest.wire)
         if ctx.state.cache.entries.get(entry.name) is not entry:
             raise NotFound(f"entry {entry.name!r} was evicted while it was being acquired")
     conn.quotas.fd_room(conn)
@@ -208,7 +208,7 @@ async def reserve(ctx: Context, conn: Connection, req: protocol.Reserve) -> None
     _check_publishable(ctx, conn, req.key, req.retention)
     key = req.key.model_copy(update={"device": ctx.residency.canonical_device(req.key.device, from_peer=True)})
     conn.quotas.fd_room(conn)
-    manifest = await asyncio.to_thread(_reserved_manifest, req.listing(), conn.version)
+    manifest = await asyncio.to_thread(_reserved_manifest, req.columns)
     name = f"{key.model}#{key.digest()[:8]}"
     _send_lease(ctx, conn, req.id, await ctx.residency.reserve(name, key, manifest, req.retention, conn,
                                                                conn.pid, conn.uid))
@@ -281,14 +281,11 @@ async def verify(ctx: Context, conn: Connection, req: protocol.Verify) -> None:
                           mismatched=found.mismatched[:MISMATCHES_LISTED], mismatched_count=len(found.mismatched)))
 
 
-def _reserved_manifest(tensors: list[tuple[str, str, list[int]]] | protocol.TensorColumns, version: int) -> Manifest:
-    """The layout of a reserve (rows from v1 peers, columns from v2 ones) and the wire form its
-    publisher gets: a while for 10^5 tensors, so in a worker thread."""
-    if isinstance(tensors, protocol.TensorColumns):
-        manifest = Manifest.layout_columns(tensors.model_dump())
-    else:
-        manifest = Manifest.build(tensors)
-    manifest.wire(version)
+def _reserved_manifest(tensors: protocol.TensorColumns) -> Manifest:
+    """The layout of a reserve and the wire form its publisher gets: a while for 10^5 tensors, so
+    in a worker thread."""
+    manifest = Manifest.layout_columns(tensors.model_dump())
+    manifest.wire()
     return manifest
 
 
@@ -298,7 +295,7 @@ def _send_lease(ctx: Context, conn: Connection, req_id: int, lease: Lease) -> No
     conn.send(protocol.ok(
         req_id, lease=lease.id, kind=lease.kind, entry=entry.name, key=entry.key.model_dump(),
         origin=entry.origin, publisher_uid=entry.publisher,
-        manifest=entry.manifest.wire(conn.version), ttl_s=ctx.state.cache.lease_ttl_s,
+        manifest=entry.manifest.wire(), ttl_s=ctx.state.cache.lease_ttl_s,
         arena={"kind": arena.kind, "size": arena.size, "device": arena.device}), [arena.fd()])
 
 

@@ -1,5 +1,6 @@
 """Sizes for people and for config files: `parse_size` reads "64GiB", "1.5 TB" or "90%" of a
-device; `format_size` and `format_progress` print bytes in the unit that fits. No wcd imports.
+device; `format_size` and `format_progress` print bytes in the unit that fits, `counted` a count
+with its noun. No wcd imports.
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ def format_size(n: float) -> str:
     """Bytes for people, in the unit that fits: "512 B", "25.0 MiB", "3.4 GiB"."""
     scale, unit = _fitting_unit(n)
     return f"{n:.0f} {unit}" if unit == "B" else f"{n / scale:.1f} {unit}"
+
+
+def counted(n: int, what: str) -> str:
+    """A count for people: "1 entry", "2 entries", "0 leases"."""
+    many = what[:-1] + "ies" if what.endswith("y") else what + "s"
+    return f"{n} {what if n == 1 else many}"
 
 
 def format_progress(done: int, total: int) -> str:

@@ -21,7 +21,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("loader", ("wcd.loader",)),
     ("daemon", ("wcd.config", "wcd.cache", "wcd.protocol", "wcd.connection", "wcd.state", "wcd.metrics",
                 "wcd.metrics_http", "wcd.parking", "wcd.residency", "wcd.life", "wcd.adoption", "wcd.verifying",
-                "wcd.watch", "wcd.ops", "wcd.server")),
+                "wcd.watch", "wcd.devices", "wcd.refusals", "wcd.socketpath", "wcd.ops", "wcd.server")),
     ("clients", ("wcd.views", "wcd.client", "wcd.demo", "wcd.integrations", "wcd.integrations.*")),
     ("commands", ("wcd.cli", "wcd.cli.*", "wcd.__main__")),
 )
