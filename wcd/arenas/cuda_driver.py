@@ -164,9 +164,7 @@ def granularity(gpu: Gpu) -> int:
     return int(check(cuda.cuMemGetAllocationGranularity(alloc_prop(gpu), flag), "cuMemGetAllocationGranularity"))
 
 
-# `CudaWriter.copy_scattered` copies runs in 2D (a driver call each, ~a few us) rather than gathering
-
-
+@cache
 def _nvml() -> Any:
     try:
         from cuda.bindings import nvml

@@ -45,8 +45,6 @@ log = logging.getLogger("wcd")
 STAGING_BYTES = 4 << 20  # a lane's buffers grow to COLD_READ_BYTES at its first buffered cold read
 STAGING_BUFFERS = 2
 COLD_READ_BYTES = 16 << 20
-# verify's device-to-host copies (`CudaReader.windows`), into a lane's buffers: cache-sized, so the
-# hashing of one overlaps the copy of the next even in lanes that cold reads grew to 16 MiB.
 # Lanes (a stream and its pinned buffers) kept per GPU between loads, and for how long after the
 # last load by default; `configure` sets the latter from the daemon's config.
 POOLED_LANES = 32
@@ -64,6 +62,7 @@ EXCLUSIVE_PREPARED_S = 5.0
 QUERY_FIRST = True
 
 
+# `CudaWriter.copy_scattered` copies runs in 2D (a driver call each, ~a few us) rather than gathering
 # them with preadv (a Python slice and an iovec per piece, ~0.3 us) when runs hold at least this many
 # pieces on average, and each row of a 2D copy is at least this wide. Not yet measured on a GPU.
 SCATTER_PIECES_PER_COPY = 8
