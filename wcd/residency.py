@@ -476,7 +476,7 @@ class Residency:
                     self.admit_later(model)
             if entry.name in self._parked:
                 self._parked.discard(entry.name)
-                for name in parking.fd_names(entry.key):
+                for name in parking.fd_names(entry.key, entry.publisher):
                     _unstore(name)
             if entry.arena is not None:
                 _close_later(entry.arena)
@@ -526,7 +526,7 @@ class Residency:
         """Put a ready entry's arena fd and its record into systemd's fd store (if there is one)."""
         if not systemd.store_enabled() or entry.name in self._parked or entry.arena is None:
             return
-        arena_name, record_name = parking.fd_names(entry.key)
+        arena_name, record_name = parking.fd_names(entry.key, entry.publisher)
         try:
             record = parking.record_memfd(entry)
             try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,17 @@ def sparse_checkpoint(path: Path, nbytes: int) -> Path:
         f.write(len(header).to_bytes(8, "little") + header)
         f.truncate(8 + len(header) + nbytes)
     return path
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A directory other uids can write to, like /tmp (pytest's tmp_path is root's alone)."""
+    d = Path(tempfile.mkdtemp(prefix="wcd-trust-", dir="/tmp"))
+    d.chmod(0o1777)
+    yield d
+    for p in sorted(d.rglob("*"), reverse=True):
+        p.unlink() if not p.is_dir() or p.is_symlink() else p.rmdir()
+    d.rmdir()
 
 
 @pytest.fixture(autouse=True)
