@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
@@ -60,6 +61,19 @@ def make_daemon(tmp_path: Path) -> Iterator[Any]:
         if d.proc is not None and d.proc.poll() is None:
             d.proc.kill()
             d.proc.wait()
+
+
+@pytest.fixture
+def shared_socket() -> Iterator[Path]:
+    """A socket path another uid can reach (pytest's tmp dirs are root's alone)."""
+    if os.getuid() != 0:
+        pytest.skip("needs root, to connect as another uid")
+    where = Path(tempfile.mkdtemp(prefix="wcd-harden-"))
+    where.chmod(0o755)
+    yield where / "wcd.sock"
+    for p in where.iterdir():
+        p.unlink()
+    where.rmdir()
 
 
 def mixed_tensors(seed: int = 0) -> dict[str, torch.Tensor]:

@@ -302,6 +302,7 @@ def test_evict_waits_for_leases(make_daemon, checkpoint):
             c.evict("m")
 
 
+@pytest.mark.slow
 def test_loop_answers_while_a_large_load_runs(make_daemon, tmp_path):
     big = sparse_checkpoint(tmp_path / "big.safetensors", 3 << 30)
     d = make_daemon("load_workers = 2\n")

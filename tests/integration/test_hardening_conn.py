@@ -21,10 +21,8 @@ import socket
 import struct
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from contextlib import ExitStack, closing
 from pathlib import Path
 from typing import Any
@@ -212,6 +210,7 @@ def test_a_frame_left_unfinished_after_a_full_batch_does_not_spin_the_loop(make_
 # -- item 4: many leases, many disconnects ------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_disconnects_do_not_scan_every_lease(make_daemon, checkpoint):
     d = make_daemon(model_config(checkpoint[0]))
     holder = Raw(d.socket)
@@ -240,6 +239,7 @@ def test_disconnects_do_not_scan_every_lease(make_daemon, checkpoint):
 # -- item 7: buffered bytes, in and out ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_partial_frames_are_bounded_globally(make_daemon, checkpoint):
     d = make_daemon('max_buffer_bytes = "48MiB"\n' + model_config(checkpoint[0]))
     before = rss(d)
@@ -408,19 +408,7 @@ def frames_of(data: bytes) -> list[dict[str, Any]]:
     return frames
 
 
-@pytest.fixture
-def shared_socket() -> Iterator[Path]:
-    """A socket path another uid can reach (pytest's tmp dirs are root's alone)."""
-    if os.getuid() != 0:
-        pytest.skip("needs root, to connect as another uid")
-    where = Path(tempfile.mkdtemp(prefix="wcd-harden-"))
-    where.chmod(0o755)
-    yield where / "wcd.sock"
-    for p in where.iterdir():
-        p.unlink()
-    where.rmdir()
-
-
+@pytest.mark.slow
 def test_one_uid_cannot_take_every_connection(make_daemon, shared_socket):
     d = make_daemon(f"allowed_uids = [{NOBODY}]\nmax_connections = 12\nmax_connections_per_uid = 6\n",
                     socket=shared_socket)
