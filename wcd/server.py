@@ -28,12 +28,14 @@ from typing import Any
 
 from wcd import __version__, ops, protocol, socketpath, systemd, workers
 from wcd.cache import Cache
-from wcd.config import Config, format_progress, format_size, load_config
+from wcd.config import Config, counted, format_progress, format_size, load_config
 from wcd.connection import Connection, Limits, Quotas, start_closers
+from wcd.devices import device_budgets
 from wcd.errors import BadRequest, Busy, ConfigError, NotFound, PermissionDenied, WcdError
 from wcd.metrics import Metrics
 from wcd.metrics_http import MetricsHttp
-from wcd.residency import RELEASE_WAIT_S, Residency, device_budgets
+from wcd.refusals import Refusals
+from wcd.residency import RELEASE_WAIT_S, Residency
 from wcd.state import ServerState
 
 log = logging.getLogger("wcd")
@@ -59,6 +61,7 @@ class Server:
         self._where = ""  # what we listen on, for status
         self._tasks: set[asyncio.Task[Any]] = set()
         self._allowed_gids = config.daemon.allowed_gids()
+        self.refusals = Refusals()
         self._fd_limit = _raise_fd_limit()
         # Built by startup(), which needs the running loop and the devices' memory sizes:
         self.state: ServerState
@@ -85,9 +88,10 @@ class Server:
         loop.set_default_executor(executor)
         config = self._config
         began = time.monotonic()
-        budgets, devices = device_budgets(config)
+        budgets, devices = device_budgets(config, self.config_path or "")
         counted = time.monotonic()
-        cache = Cache(budgets, config.daemon.lease_ttl_s, max_entries=config.daemon.max_entries)
+        cache = Cache(budgets, config.daemon.lease_ttl_s, max_entries=config.daemon.max_entries,
+                      max_entries_per_uid=config.daemon.max_entries_per_uid)
         self.state = ServerState(config, self.instance, cache, devices, self.started_at)
         self.state.where = self._where
         self.quotas = Quotas(self._limits(config), held_elsewhere=lambda: len(cache.entries))
@@ -143,6 +147,7 @@ class Server:
         if self.metrics_http is not None:
             await self.metrics_http.stop()
         self._unlisten()
+        self.refusals.close()
         for conn in list(self.state.connections):
             conn.close()
         self.residency.cancel_loads()
@@ -191,8 +196,10 @@ class Server:
         new.daemon.socket = current.daemon.socket
         self.state.config = new
         self._allowed_gids = new.daemon.allowed_gids()
+        self.refusals.forget()
         cache.lease_ttl_s = new.daemon.lease_ttl_s
         cache.max_entries = new.daemon.max_entries
+        cache.max_entries_per_uid = new.daemon.max_entries_per_uid
         self.quotas.limits = self._limits(new)
         for model in fresh.values():
             if model.name not in cache.entries:
@@ -268,19 +275,23 @@ class Server:
                     loop.remove_reader(self._listener.fileno())
                     loop.call_later(ACCEPT_PAUSE_S, loop.add_reader, self._listener.fileno(), self._accept)
                 return
-            sock.setblocking(False)
             pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+            # Refused before anything is set up for the connection: a flood of them costs the loop
+            # an accept and a send each, and the log a line per uid and interval.
+            if not self.refusals.denied(uid) and not self._allowed(uid, gid):
+                self.refusals.deny(uid)  # for the interval: a flood costs no look-ups of users and groups
+            if self.refusals.denied(uid):
+                self.refusals.refuse(sock, uid, pid, PermissionDenied(
+                    f"uid {uid} is not allowed to use this daemon: add it to allowed_uids, or the user to a "
+                    f"group in allowed_groups, in the daemon's config", {"uid": uid}), "not allowed")
+                continue
             refusal = self.quotas.refusal(uid)
+            if refusal is not None:
+                self.refusals.refuse(sock, uid, pid, refusal, str(refusal.details.get("limit", "busy")))
+                continue
+            sock.setblocking(False)
             conn = Connection(sock, pid, uid, gid, functools.partial(ops.dispatch, self._ops), self._connection_lost,
                               self.quotas)
-            if not self._allowed(uid, gid):
-                conn.fail(PermissionDenied(
-                    f"uid {uid} is not allowed to use this daemon: add it to allowed_uids, or the user to a "
-                    f"group in allowed_groups, in the daemon's config", {"uid": uid}))
-                continue
-            if refusal is not None:
-                conn.fail(refusal)
-                continue
             self.state.connections.add(conn)
 
     def _allowed(self, uid: int, gid: int) -> bool:
@@ -343,7 +354,8 @@ class Server:
             more = f" (+{len(loading) - 1} more)" if len(loading) > 1 else ""
             return f"loading {e.name} {format_progress(e.done_bytes, e.manifest.nbytes)}{more}"
         held = sum(e.nbytes for e in cache.entries.values())
-        return f"serving {len(cache.entries)} entries, {len(cache.leases)} leases, {format_size(held)}"
+        return (f"serving {counted(len(cache.entries), 'entry')}, {counted(len(cache.leases), 'lease')}, "
+                f"{format_size(held)}")
 
     async def _report_status(self) -> None:
         last = ""

@@ -7,6 +7,7 @@ giving the path back. Must not accept or serve: `wcd.server` does that with the 
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import grp
 import logging
@@ -61,9 +62,20 @@ def claim(path: Path, groups: list[str]) -> Claim:
     except PermissionError:
         raise
     except OSError as e:
-        raise Internal(f"cannot create the socket {path}: {e.strerror or e} (free space there, "
-                       "or pick another --socket)") from None
+        raise Internal(f"cannot create the socket {path}: {e.strerror or e} ({_bind_hint(e)})") from None
     return Claim(path, sock, lock_fd)
+
+
+def _bind_hint(e: OSError) -> str:
+    """What to do about a socket that cannot be made, by its errno."""
+    if e.errno == errno.EROFS:
+        return "pick a --socket on a writable file system, such as /run/wcd or /tmp"
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "free space there, or pick another --socket"
+    if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+        return ("that file system does not hold sockets (some network or FUSE file systems): pick a --socket on "
+                "a local one, such as /run/wcd or /tmp")
+    return "pick another --socket"
 
 
 def check_directory(where: Path) -> None:

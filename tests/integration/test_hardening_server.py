@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -15,6 +16,8 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import sparse_checkpoint
+from tests.integration.pings import assert_fast, pinging
+from wcd import wire
 from wcd.client import connect
 
 NOBODY = 65534
@@ -136,3 +139,73 @@ def test_a_world_writable_socket_directory_must_be_sticky(tmp_path):
     finally:
         proc.terminate()
         assert proc.wait(timeout=30) == 0
+
+
+# -- item 10: a flood of connects from a uid that is not allowed ---------------------------------------
+
+FLOOD = r"""
+import socket, sys, time
+end, n = time.monotonic() + float(sys.argv[2]), 0
+while time.monotonic() < end:
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.connect(sys.argv[1])
+        n += 1
+    except OSError:
+        pass
+    s.close()
+print(n)
+"""
+
+
+def flood(path: Path, uid: int, seconds: float) -> int:
+    """Connect and hang up as `uid` as fast as one process can for `seconds`; connects made."""
+    out = subprocess.run(["/usr/bin/python3", "-c", FLOOD, str(path), str(seconds)], user=uid, cwd="/",
+                         capture_output=True, text=True, timeout=seconds + 60, check=True)
+    return int(out.stdout)
+
+
+@pytest.mark.slow
+def test_a_flood_of_refused_connects_costs_the_loop_little_and_the_log_a_line(make_daemon, shared_socket):
+    d = make_daemon(socket=shared_socket)  # uid 65534 is not allowed
+    d.socket.chmod(0o666)
+    with pinging(d) as pings:
+        connects = flood(d.socket, NOBODY, 5.0)
+    assert_fast(pings)
+    assert d.stop() == 0
+    lines = [line for line in d.log.read_text().splitlines() if f"uid {NOBODY}" in line]
+    # One line when it starts, then its count (said at stop here, the interval being 10 s): none lost.
+    said = sum(int(m.group(1)) if (m := re.search(r"(\d+) more times", line)) else 1 for line in lines)
+    assert connects > 1000 and len(lines) <= 3 and said == connects, (connects, lines)
+
+
+def test_a_refused_peer_is_still_told_why(make_daemon, shared_socket):
+    d = make_daemon(socket=shared_socket)
+    d.socket.chmod(0o666)
+    hello = wire.encode({"op": "hello", "id": 1, "versions": [2]}).hex()
+    out = subprocess.run(["/usr/bin/python3", "-c", TOLD, str(d.socket), hello], user=NOBODY, cwd="/",
+                         capture_output=True, text=True, timeout=60, check=True)
+    for told in out.stdout.splitlines():  # one that asked first, one that did not ask
+        assert f"uid {NOBODY} is not allowed to use this daemon" in told, out.stdout
+
+
+TOLD = r"""
+import socket, sys, time
+hello = bytes.fromhex(sys.argv[2])
+for ask in (True, False):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(sys.argv[1])
+    if ask:
+        try:
+            s.sendall(hello)
+        except OSError:
+            pass
+    time.sleep(0.2)
+    data = b""
+    try:
+        while chunk := s.recv(65536):
+            data += chunk
+    except OSError:
+        pass
+    print(data[4:].decode("utf-8", "replace").replace("\n", " "))
+"""
