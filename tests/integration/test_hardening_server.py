@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import sparse_checkpoint
+from tests.integration.peers import Raw
 from tests.integration.pings import assert_fast, pinging
 from wcd import wire
 from wcd.client import connect
@@ -209,3 +210,21 @@ for ask in (True, False):
         pass
     print(data[4:].decode("utf-8", "replace").replace("\n", " "))
 """
+
+
+# -- item 12: peers' strings in the log ----------------------------------------------------------------
+
+
+def test_a_peer_cannot_forge_log_lines(make_daemon):
+    d = make_daemon()
+    forged = "ERROR forged: the daemon is compromised"
+    with pinging(d, tail_s=0.2) as pings:
+        a = Raw(d.socket, hello=False)
+        assert a.call({"op": "hello", "versions": [2], "client": f"x\n{forged}\r\x1b[2K"})["ok"]
+        a.send(b"\xff" * 64)  # a frame past the limit: its warning names the connection, client and all
+        assert a.last_words() is not None
+    assert_fast(pings)
+    assert d.stop() == 0
+    log = d.log.read_text()
+    assert "x\\nERROR forged" in log and "\\x1b[2K" in log
+    assert not any(line.startswith("ERROR forged") for line in log.splitlines()) and "\x1b" not in log
