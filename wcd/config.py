@@ -175,6 +175,8 @@ class DaemonConfig(BaseModel):
     max_fds_per_connection: Annotated[int, Field(ge=1, le=4096)] = 64
     max_fds_per_uid: Annotated[int, Field(ge=2, le=1 << 20)] = 4096
     max_entries: Annotated[int, Field(ge=1, le=1 << 20)] = 4096
+    # Entries one uid may publish (a full daemon evicts its least recently used unleased entry).
+    max_entries_per_uid: Annotated[int, Field(ge=1, le=1 << 20)] = 256
 
     @field_validator("budget")
     @classmethod
