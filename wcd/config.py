@@ -110,6 +110,7 @@ class DaemonConfig(BaseModel):
     max_connections_per_uid: Annotated[int, Field(ge=1, le=65536)] = 512
     hello_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 10.0  # a new connection must say hello by then
     idle_timeout_s: Annotated[float, Field(gt=0, le=7 * 24 * 3600)] = 600.0  # closed if silent, no leases
+    frame_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 10.0  # a request must arrive whole by then
     # Bytes buffered for peers (requests being received, replies not yet read), all and per uid;
     # past a limit the connection holding the most is cut off:
     max_buffer_bytes: BufferBytes = 1 << 30
@@ -119,6 +120,8 @@ class DaemonConfig(BaseModel):
     max_fds_per_connection: Annotated[int, Field(ge=1, le=4096)] = 64
     max_fds_per_uid: Annotated[int, Field(ge=2, le=1 << 20)] = 4096
     max_entries: Annotated[int, Field(ge=1, le=1 << 20)] = 4096
+    # Entries one uid may publish (a full daemon evicts its least recently used unleased entry).
+    max_entries_per_uid: Annotated[int, Field(ge=1, le=1 << 20)] = 256
 
     @field_validator("budget")
     @classmethod

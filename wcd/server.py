@@ -30,7 +30,7 @@ from wcd.cache import Cache
 from wcd.config import Config, load_config
 from wcd.connection import Connection, Limits, Quotas, start_closers
 from wcd.devices import device_budgets
-from wcd.errors import BadRequest, Busy, ConfigError, NotFound, PermissionDenied, WcdError
+from wcd.errors import BadRequest, Busy, ConfigError, NotFound, PermissionDenied, ProtocolError, WcdError
 from wcd.metrics import Metrics
 from wcd.metrics_http import MetricsHttp
 from wcd.peers import peer_gids
@@ -91,7 +91,8 @@ class Server:
         began = time.monotonic()
         budgets, devices = device_budgets(config, self.config_path or "")
         counted = time.monotonic()
-        cache = Cache(budgets, config.daemon.lease_ttl_s, max_entries=config.daemon.max_entries)
+        cache = Cache(budgets, config.daemon.lease_ttl_s, max_entries=config.daemon.max_entries,
+                      max_entries_per_uid=config.daemon.max_entries_per_uid)
         self.state = ServerState(config, self.instance, cache, devices, self.started_at)
         self.state.where = self._where
         self.quotas = Quotas(self._limits(config), held_elsewhere=lambda: len(cache.entries))
@@ -199,6 +200,7 @@ class Server:
         self.refusals.forget()
         cache.lease_ttl_s = new.daemon.lease_ttl_s
         cache.max_entries = new.daemon.max_entries
+        cache.max_entries_per_uid = new.daemon.max_entries_per_uid
         self.quotas.limits = self._limits(new)
         for model in fresh.values():
             if model.name not in cache.entries:
@@ -305,16 +307,21 @@ class Server:
         self.residency.reclaim(self.state.cache.drop_owner(conn))
 
     async def _close_idle(self) -> None:
-        """Forever: close connections that said no hello in time, or sit silent holding nothing."""
+        """Forever: close connections that said no hello in time, take too long over a request, or sit
+        silent holding nothing."""
         loop = asyncio.get_running_loop()
         while True:
             daemon = self.state.config.daemon
-            await asyncio.sleep(min(1.0, daemon.hello_timeout_s / 4, daemon.idle_timeout_s / 4))
+            await asyncio.sleep(min(1.0, daemon.hello_timeout_s / 4, daemon.idle_timeout_s / 4,
+                                    daemon.frame_timeout_s / 4))
             now = loop.time()
             for conn in list(self.state.connections):
                 if not conn.hello and now - conn.opened_at > daemon.hello_timeout_s:
                     conn.fail(Busy(f"no hello within {daemon.hello_timeout_s:g} s of connecting (hello_timeout_s)",
                                    {"limit": "hello_timeout_s"}))
+                elif conn.frame_overdue(now, daemon.frame_timeout_s):
+                    conn.fail(ProtocolError(f"a request still not whole {daemon.frame_timeout_s:g} s after its first "
+                                            "byte (frame_timeout_s): send each request whole"))
                 elif (now - conn.last_active > daemon.idle_timeout_s and not conn.tasks
                       and not self.state.cache.leases_of(conn)):
                     # Quietly: the client library reconnects on its next request.

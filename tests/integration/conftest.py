@@ -137,6 +137,17 @@ def sparse_checkpoint(path: Path, nbytes: int) -> Path:
     return path
 
 
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A directory other uids can write to, like /tmp (pytest's tmp_path is root's alone)."""
+    d = Path(tempfile.mkdtemp(prefix="wcd-trust-", dir="/tmp"))
+    d.chmod(0o1777)
+    yield d
+    for p in sorted(d.rglob("*"), reverse=True):
+        p.unlink() if not p.is_dir() or p.is_symlink() else p.rmdir()
+    d.rmdir()
+
+
 @pytest.fixture(autouse=True)
 def close_raw() -> Iterator[None]:
     """Hand-written peers (`tests.integration.peers.Raw`) a test opened are closed after it."""

@@ -168,7 +168,7 @@ def publish_many(d: Daemon, n: int, model: str = "p") -> None:
 
 
 def test_pipelined_near_miss_evicts_do_not_stall_the_loop(make_daemon):
-    d = make_daemon()
+    d = make_daemon("max_entries_per_uid = 1000\n")  # one uid publishes them all
     publish_many(d, 1000)
     a = Raw(d.socket)
     n = 4000
