@@ -106,7 +106,8 @@ def status(ctx: Context, conn: Connection, req: protocol.Status) -> None:
     for device, budget in cache.budgets.items():
         info = backend_for(device).info(device)
         devices.append({"device": device, "name": info.name, "total": info.total, "free": info.free,
-                        "budget": budget, "used": cache.used(device)})
+                        "budget": budget, "used": cache.used(device),
+                        "mapped_after_release": cache.outside(device)})
     entries = [e.describe() for e in cache.entries.values()]
     conn.send(protocol.ok(
         req.id, version=__version__, instance=state.instance, pid=os.getpid(),

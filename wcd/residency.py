@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from wcd import adoption, parking
-from wcd.arenas import Arena, ArenaBackend, backend_for, loaded_backends
+from wcd.arenas import Arena, ArenaBackend, backend_for, loaded_backends, released_held
 from wcd.cache import Entry, Lease, Origin, Retention
 from wcd.checkpoint import Checkpoint, Shards
 from wcd.config import ModelConfig, format_size
@@ -59,6 +59,7 @@ class Residency:
     def __init__(self, state: ServerState, metrics: Metrics, spawn: Spawn) -> None:
         self.state = state
         self.cache = state.cache
+        self.cache.outside = released_held  # what reclaimed arenas still take: admission counts it
         self._metrics = metrics
         self._spawn = spawn
         self.devices = Devices(state)

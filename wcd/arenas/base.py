@@ -249,6 +249,12 @@ class ArenaBackend(ABC):
     @abstractmethod
     def info(self, device: str) -> DeviceInfo: ...
 
+    def released_held(self) -> int:
+        """Bytes of arenas this backend closed that other processes still hold (mapped after their
+        leases ended): memory the daemon cannot take back, which admission counts. This default
+        knows of none."""
+        return 0
+
     def total_memory(self, device: str) -> int:
         """The device's memory in bytes (what fractional budgets are of); backends answer faster
         than `info` where they can, because start-up asks before READY."""
