@@ -30,9 +30,7 @@ if str(ROOT) not in sys.path:
 _TUNING = {
     "read_ahead_bytes": "wcd.loader.READ_AHEAD_BYTES",
     "chunk_bytes": "wcd.checkpoint.CHUNK_BYTES",
-    "cold_read_bytes": "wcd.arenas.staging.COLD_READ_BYTES",
     "direct_read_bytes": "wcd.arenas.cuda.DIRECT_READ_BYTES",
-    "pieces_per_helper": "wcd.header_helpers.PIECES_PER_HELPER",
 }
 
 

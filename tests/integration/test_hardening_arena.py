@@ -203,6 +203,9 @@ def test_memory_mapped_after_release_counts_against_the_budget(make_daemon):
             c.publish(key, weights)
         assert "\n" not in refused.value.message
         assert host_memory(c)["mapped_after_release"] == 40 * MiB
+        [gauge] = [line for line in c.metrics().splitlines()
+                   if line.startswith('wcd_device_mapped_after_release_bytes{device="cpu"}')]
+        assert float(gauge.split()[-1]) == 40 * MiB
         assert kept.sum().item() == 40 * MiB  # the kept views still read the old bytes
         del kept, lease
         gc.collect()
