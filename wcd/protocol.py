@@ -39,6 +39,7 @@ from wcd.wire import (  # noqa: F401 - the daemon's one import for the protocol
 )
 
 Name = Annotated[str, StringConstraints(min_length=1, max_length=256)]
+LEASES_PER_PAGE = 1000  # a `leases` reply lists at most these; the client asks for the next page
 Retention = Literal["pinned", "cached", "ephemeral"]
 
 
@@ -72,7 +73,11 @@ class ListEntries(_Req):
 
 
 class Leases(_Req):
+    """A page of leases: ids above `after`, at most `limit`."""
+
     op: Literal["leases"]
+    after: Annotated[StrictInt, Field(ge=0)] = 0
+    limit: Annotated[StrictInt, Field(ge=1, le=LEASES_PER_PAGE)] = LEASES_PER_PAGE
 
 
 class _Target(_Req):
