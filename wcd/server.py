@@ -14,7 +14,6 @@ import errno
 import functools
 import logging
 import os
-import pwd
 import resource
 import signal
 import socket
@@ -28,15 +27,17 @@ from typing import Any
 
 from wcd import __version__, ops, protocol, socketpath, systemd, workers
 from wcd.cache import Cache
-from wcd.config import Config, counted, format_progress, format_size, load_config
+from wcd.config import Config, load_config
 from wcd.connection import Connection, Limits, Quotas, start_closers
 from wcd.devices import device_budgets
-from wcd.errors import BadRequest, Busy, ConfigError, NotFound, PermissionDenied, WcdError
+from wcd.errors import BadRequest, Busy, ConfigError, NotFound, PermissionDenied, ProtocolError, WcdError
 from wcd.metrics import Metrics
 from wcd.metrics_http import MetricsHttp
+from wcd.peers import peer_gids
 from wcd.refusals import Refusals
 from wcd.residency import RELEASE_WAIT_S, Residency
 from wcd.state import ServerState
+from wcd.units import counted, format_progress, format_size
 
 log = logging.getLogger("wcd")
 
@@ -301,29 +302,28 @@ class Server:
             return True
         if not self._allowed_gids:
             return False
-        if gid in self._allowed_gids:
-            return True
-        try:
-            user = pwd.getpwuid(uid)
-        except KeyError:
-            return False
-        return bool(self._allowed_gids.intersection(os.getgrouplist(user.pw_name, user.pw_gid)))
+        return not self._allowed_gids.isdisjoint(peer_gids(uid, gid))
 
     def _connection_lost(self, conn: Connection) -> None:
         self.state.connections.discard(conn)
         self.residency.reclaim(self.state.cache.drop_owner(conn))
 
     async def _close_idle(self) -> None:
-        """Forever: close connections that said no hello in time, or sit silent holding nothing."""
+        """Forever: close connections that said no hello in time, take too long over a request, or sit
+        silent holding nothing."""
         loop = asyncio.get_running_loop()
         while True:
             daemon = self.state.config.daemon
-            await asyncio.sleep(min(1.0, daemon.hello_timeout_s / 4, daemon.idle_timeout_s / 4))
+            await asyncio.sleep(min(1.0, daemon.hello_timeout_s / 4, daemon.idle_timeout_s / 4,
+                                    daemon.frame_timeout_s / 4))
             now = loop.time()
             for conn in list(self.state.connections):
                 if not conn.hello and now - conn.opened_at > daemon.hello_timeout_s:
                     conn.fail(Busy(f"no hello within {daemon.hello_timeout_s:g} s of connecting (hello_timeout_s)",
                                    {"limit": "hello_timeout_s"}))
+                elif conn.frame_overdue(now, daemon.frame_timeout_s):
+                    conn.fail(ProtocolError(f"a request still not whole {daemon.frame_timeout_s:g} s after its first "
+                                            "byte (frame_timeout_s): send each request whole"))
                 elif (now - conn.last_active > daemon.idle_timeout_s and not conn.tasks
                       and not self.state.cache.leases_of(conn)):
                     # Quietly: the client library reconnects on its next request.

@@ -8,14 +8,17 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+import select
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.integration.conftest import sparse_checkpoint
+from tests.integration.peers import Raw
 from tests.integration.pings import assert_fast, pinging
 from wcd import wire
 from wcd.client import connect
@@ -209,3 +212,45 @@ for ask in (True, False):
         pass
     print(data[4:].decode("utf-8", "replace").replace("\n", " "))
 """
+
+
+# -- item 12: peers' strings in the log ----------------------------------------------------------------
+
+
+def test_a_peer_cannot_forge_log_lines(make_daemon):
+    d = make_daemon()
+    forged = "ERROR forged: the daemon is compromised"
+    with pinging(d, tail_s=0.2) as pings:
+        a = Raw(d.socket, hello=False)
+        assert a.call({"op": "hello", "versions": [2], "client": f"x\n{forged}\r\x1b[2K"})["ok"]
+        a.send(b"\xff" * 64)  # a frame past the limit: its warning names the connection, client and all
+        assert a.last_words() is not None
+    assert_fast(pings)
+    assert d.stop() == 0
+    log = d.log.read_text()
+    assert "x\\nERROR forged" in log and "\\x1b[2K" in log
+    assert not any(line.startswith("ERROR forged") for line in log.splitlines()) and "\x1b" not in log
+
+
+# -- item 13: a request trickled in ------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_request_trickled_a_byte_a_second_is_cut_off_at_the_frame_deadline(make_daemon):
+    d = make_daemon("frame_timeout_s = 2\nidle_timeout_s = 4\n")
+    a = Raw(d.socket)
+    frame = wire.encode({"op": "ping", "id": 2, "pad": "x" * 64})
+    began = time.monotonic()
+    with pinging(d, tail_s=0.2) as pings:
+        for byte in frame:  # 80 s to send whole: each byte keeps the connection from looking idle
+            try:
+                a.send(bytes([byte]))
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            if select.select([a.sock], [], [], 1.0)[0] or time.monotonic() - began > 8:
+                break
+        closed_after = time.monotonic() - began
+    assert_fast(pings)
+    words = a.last_words(timeout=1)
+    assert words is not None and "frame_timeout_s" in words["error"]["message"], (closed_after, words)
+    assert 2 <= closed_after < 4.5, closed_after

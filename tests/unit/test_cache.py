@@ -713,3 +713,20 @@ def test_leases_expire_in_batches_and_are_told_in_one_line(cache: Cache, clock: 
     assert describe_expired([one]) == "lease 1 on a (pid 7, uid 1001) expired: no heartbeat"
     many = [Lease(i, a if i < 7 else b, "read", "x", i, 1001 + i % 2, 0.0) for i in range(10)]
     assert describe_expired(many) == "10 leases expired, no heartbeat: 7 on a, 3 on b (uids 1001, 1002)"
+
+
+def test_memory_still_mapped_outside_the_cache_counts_against_its_device(cache: Cache, clock: Clock) -> None:
+    """What reclaimed arenas still take (mapped by processes whose leases ended) leaves less room:
+    candidates are evicted for it, and past that the refusal says where the memory is."""
+    outside = {"cpu": 300, "cuda:0": 0}
+    cache.outside = outside.__getitem__
+    admit(cache, "a", 400)
+    clock.tick()
+    _, victims = cache.admit("b", key("b"), MANIFEST, 400, "cached", "load")  # 400 + 300 + 400 > 1000
+    assert names(victims) == ["a"]
+    with pytest.raises(OutOfMemory) as info:
+        cache.admit("c", key("c"), MANIFEST, 301, "cached", "load")
+    assert info.value.details == {"device": "cpu", "need": 301, "budget": 1000, "held": 400, "outside": 300}
+    assert "300 B by processes still mapping entries that are gone" in info.value.message
+    outside["cpu"] = 0  # they dropped their views
+    cache.admit("c", key("c"), MANIFEST, 301, "cached", "load")
