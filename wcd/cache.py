@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Literal
 
-from wcd.config import format_size
 from wcd.errors import BadRequest, Busy, KeyMismatch, LeaseExpired, NotFound, OutOfMemory, PermissionDenied
 from wcd.key import WeightCacheKey
 from wcd.manifest import Manifest
+from wcd.units import format_size
 
 State = Literal["loading", "filling", "ready", "evicting"]
 Retention = Literal["pinned", "cached", "ephemeral"]
@@ -128,6 +128,9 @@ class Cache:
         self.clock = clock
         self.max_entries = max_entries
         self.max_entries_per_uid = max_entries_per_uid
+        # Bytes of a device that entries no longer hold but other processes still map (arenas
+        # reclaimed after their leases ended, whose views were kept): the residency sets it.
+        self.outside: Callable[[str], int] = lambda device: 0
         self.entries: dict[str, Entry] = {}
         self.leases: dict[int, Lease] = {}
         self._ids = itertools.count(1)
@@ -233,7 +236,8 @@ class Cache:
 
     def _make_room(self, device: str, nbytes: int) -> list[Entry]:
         budget = self.budgets[device]
-        free = budget - self.used(device)
+        outside = self.outside(device)
+        free = budget - self.used(device) - outside
         if nbytes <= free:
             return []
         candidates = sorted((e for e in self._evictable() if e.device == device), key=lambda e: e.last_used)
@@ -245,12 +249,16 @@ class Cache:
             free += e.nbytes
         if free < nbytes:
             held = self.used(device) - sum(e.nbytes for e in candidates)
+            details = {"device": device, "need": nbytes, "budget": budget, "held": held}
+            kept = ""
+            if outside:
+                details["outside"] = outside
+                kept = (f", {format_size(outside)} by processes still mapping entries that are gone (views kept "
+                        "after their leases ended: those engines must drop them or exit)")
             raise OutOfMemory(
                 f"{format_size(nbytes)} does not fit on {device}: budget {format_size(budget)}, "
-                f"{format_size(held)} held by pinned, leased or loading entries; "
-                "evict something (wcdctl evict) or raise the budget",
-                {"device": device, "need": nbytes, "budget": budget, "held": held},
-            )
+                f"{format_size(held)} held by pinned, leased or loading entries{kept}; "
+                "evict something (wcdctl evict) or raise the budget", details)
         return victims
 
     def _make_count_room(self, victims: list[Entry]) -> list[Entry]:

@@ -7,18 +7,20 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import gc
 import os
 import struct
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from tests.integration.conftest import Daemon
 from tests.integration.peers import Impostor, columns
 from tests.integration.pings import assert_fast, pinging
+from tests.integration.test_hardening_trust import memfds, wait_until
 from wcd.client import Client
-from wcd.errors import BadReply, BadRequest
+from wcd.errors import BadReply, BadRequest, OutOfMemory
 from wcd.key import WeightCacheKey
 from wcd.manifest import TENSOR_COLUMNS, Manifest
 
@@ -47,10 +49,10 @@ def fallocate_keep_size(fd: int, offset: int, length: int) -> None:
         raise OSError(err, os.strerror(err))
 
 
-def used(d: Daemon) -> int:
-    with Client(d.socket) as c:
-        [cpu] = [dev for dev in c.status()["devices"] if dev["device"] == "cpu"]
-        return int(cpu["used"])
+def host_memory(c: Client) -> dict[str, Any]:
+    """The daemon's status of host memory: budget, used, mapped_after_release, ..."""
+    [cpu] = [dev for dev in c.status()["devices"] if dev["device"] == "cpu"]
+    return cpu
 
 
 ATTACKS = {
@@ -76,7 +78,7 @@ def test_a_publisher_cannot_resize_its_fill_arena(make_daemon, attack):
         finally:
             os.close(fd)
         c.request("commit", lease=reply["lease"])
-        counted = used(d)
+        counted = host_memory(c)["used"]
         with c.acquire(reply["entry"]) as lease:
             assert lease.tensors["w"].numel() == 4096
     assert counted == size
@@ -177,3 +179,36 @@ def test_a_crafted_lease_reply_is_one_wcd_error(tmp_path: Path, case: str) -> No
             assert "\n" not in e.value.message and open_fds() == before
     finally:
         impostor.close()
+
+
+# -- 16: memory still mapped after the leases ended ---------------------------------------------
+
+
+@pytest.mark.slow
+def test_memory_mapped_after_release_counts_against_the_budget(make_daemon):
+    """The attack: attach, keep the views, release the lease, have the entry evicted and loaded
+    again: the kept mapping holds the old arena's memory, which the budget no longer counted. A
+    new load past the budget is refused, with a line saying why, until the views are dropped."""
+    d = make_daemon('budget = { cpu = "64MiB" }\n')
+    key = WeightCacheKey(model="kept", transform="test")
+    weights = {"w": torch.ones(40 * MiB, dtype=torch.uint8)}
+    with d.client() as c, pinging(d) as pings:
+        entry = c.publish(key, weights)
+        lease = c.acquire(entry)
+        kept = lease.tensors["w"]  # views outlive release(): the mapping stays
+        lease.release()
+        c.evict(entry)
+        wait_until(lambda: memfds(d) == 0)  # the daemon closed the arena
+        with pytest.raises(OutOfMemory, match="still mapping entries that are gone") as refused:
+            c.publish(key, weights)
+        assert "\n" not in refused.value.message
+        assert host_memory(c)["mapped_after_release"] == 40 * MiB
+        [gauge] = [line for line in c.metrics().splitlines()
+                   if line.startswith('wcd_device_mapped_after_release_bytes{device="cpu"}')]
+        assert float(gauge.split()[-1]) == 40 * MiB
+        assert kept.sum().item() == 40 * MiB  # the kept views still read the old bytes
+        del kept, lease
+        gc.collect()
+        wait_until(lambda: host_memory(c)["mapped_after_release"] == 0)
+        c.publish(key, weights)
+    assert_fast(pings)

@@ -657,3 +657,20 @@ def test_one_key_from_two_publishers_does_not_collide(cache: Cache) -> None:
     assert cache.find(k, (0, 1001, 1000)) is squat  # a trusted publisher, asked for before the own uid
     cache.check_evict(own, 1000, admin=False)
     assert cache.evict(own) == [own] and cache.find(k, (1001,)) is squat
+
+
+def test_memory_still_mapped_outside_the_cache_counts_against_its_device(cache: Cache, clock: Clock) -> None:
+    """What reclaimed arenas still take (mapped by processes whose leases ended) leaves less room:
+    candidates are evicted for it, and past that the refusal says where the memory is."""
+    outside = {"cpu": 300, "cuda:0": 0}
+    cache.outside = outside.__getitem__
+    admit(cache, "a", 400)
+    clock.tick()
+    _, victims = cache.admit("b", key("b"), MANIFEST, 400, "cached", "load")  # 400 + 300 + 400 > 1000
+    assert names(victims) == ["a"]
+    with pytest.raises(OutOfMemory) as info:
+        cache.admit("c", key("c"), MANIFEST, 301, "cached", "load")
+    assert info.value.details == {"device": "cpu", "need": 301, "budget": 1000, "held": 400, "outside": 300}
+    assert "300 B by processes still mapping entries that are gone" in info.value.message
+    outside["cpu"] = 0  # they dropped their views
+    cache.admit("c", key("c"), MANIFEST, 301, "cached", "load")
