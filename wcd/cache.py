@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Literal
 
-from wcd.config import format_size
 from wcd.errors import BadRequest, Busy, KeyMismatch, LeaseExpired, NotFound, OutOfMemory, PermissionDenied
 from wcd.key import WeightCacheKey
 from wcd.manifest import Manifest
+from wcd.units import format_size
 
 State = Literal["loading", "filling", "ready", "evicting"]
 Retention = Literal["pinned", "cached", "ephemeral"]

@@ -17,9 +17,10 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from wcd.arenas.base import HOST_DEVICE
-from wcd.checkpoint import MAX_HEADER_BYTES, SAMPLE_BYTES, SAMPLES_PER_FILE, Checkpoint, Shards
+from wcd import HOST_DEVICE
+from wcd.checkpoint import SAMPLE_BYTES, SAMPLES_PER_FILE, Checkpoint, Shards
 from wcd.errors import LoadFailed
+from wcd.headers import MAX_HEADER_BYTES
 
 Text = Annotated[str, StringConstraints(max_length=1024)]
 ShortText = Annotated[str, StringConstraints(max_length=256)]

@@ -152,9 +152,13 @@ class _StateCollector:
         cache = self.state.cache
         budget = GaugeMetricFamily("wcd_device_budget_bytes", "Configured budget per device", labels=["device"])
         used = GaugeMetricFamily("wcd_device_used_bytes", "Bytes held by wcd per device", labels=["device"])
+        outside = GaugeMetricFamily("wcd_device_mapped_after_release_bytes",
+                                    "Bytes of gone entries other processes still map (counted against the budget)",
+                                    labels=["device"])
         for device, size in cache.budgets.items():
             budget.add_metric([device], size)
             used.add_metric([device], cache.used(device))
+            outside.add_metric([device], cache.outside(device))
         states = GaugeMetricFamily("wcd_entries", "Entries by state", labels=["state"])
         for state in ("loading", "filling", "ready", "evicting"):
             states.add_metric([state], sum(1 for e in cache.entries.values() if e.state == state))
@@ -163,6 +167,7 @@ class _StateCollector:
             leases.add_metric([kind], sum(1 for lease in cache.leases.values() if lease.kind == kind))
         yield budget
         yield used
+        yield outside
         yield states
         yield leases
         yield GaugeMetricFamily("wcd_connections", "Open client connections", value=len(self.state.connections))

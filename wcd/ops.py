@@ -27,14 +27,15 @@ from typing import Any, Generic, TypeVar
 from wcd import __version__, protocol
 from wcd.arenas import backend_for
 from wcd.cache import Entry, Lease
-from wcd.config import format_size, peer_gids
 from wcd.connection import Connection
 from wcd.errors import BadRequest, Busy, Internal, NotFound, PermissionDenied, UnsupportedVersion, WcdError
 from wcd.key import HOST_DEVICE, WeightCacheKey
 from wcd.manifest import Manifest
 from wcd.metrics import Metrics
+from wcd.peers import peer_gids
 from wcd.residency import Residency
 from wcd.state import ServerState
+from wcd.units import format_size
 
 log = logging.getLogger("wcd")
 

@@ -31,7 +31,7 @@ from wcd import adoption, parking
 from wcd.arenas import Arena, ArenaBackend, backend_for, loaded_backends, released_held
 from wcd.cache import Entry, Lease, Origin, Retention
 from wcd.checkpoint import Checkpoint, Shards
-from wcd.config import ModelConfig, format_size
+from wcd.config import ModelConfig
 from wcd.devices import Devices
 from wcd.errors import BadRequest, Busy, LoadFailed, NotFound, WcdError
 from wcd.header_helpers import HeaderHelpers
@@ -43,6 +43,7 @@ from wcd.manifest import Manifest
 from wcd.metrics import Metrics
 from wcd.offloop import both, close_later, free_later, produced, using
 from wcd.state import ServerState
+from wcd.units import format_size
 from wcd.verifying import Verification, Verifier
 from wcd.workers import Pool
 

@@ -14,7 +14,6 @@ import errno
 import functools
 import logging
 import os
-import pwd
 import resource
 import signal
 import socket
@@ -28,15 +27,17 @@ from typing import Any
 
 from wcd import __version__, ops, protocol, socketpath, systemd, workers
 from wcd.cache import Cache
-from wcd.config import Config, counted, format_progress, format_size, load_config
+from wcd.config import Config, load_config
 from wcd.connection import Connection, Limits, Quotas, start_closers
 from wcd.devices import device_budgets
 from wcd.errors import BadRequest, Busy, ConfigError, NotFound, PermissionDenied, ProtocolError, WcdError
 from wcd.metrics import Metrics
 from wcd.metrics_http import MetricsHttp
+from wcd.peers import peer_gids
 from wcd.refusals import Refusals
 from wcd.residency import RELEASE_WAIT_S, Residency
 from wcd.state import ServerState
+from wcd.units import counted, format_progress, format_size
 
 log = logging.getLogger("wcd")
 
@@ -299,13 +300,7 @@ class Server:
             return True
         if not self._allowed_gids:
             return False
-        if gid in self._allowed_gids:
-            return True
-        try:
-            user = pwd.getpwuid(uid)
-        except KeyError:
-            return False
-        return bool(self._allowed_gids.intersection(os.getgrouplist(user.pw_name, user.pw_gid)))
+        return not self._allowed_gids.isdisjoint(peer_gids(uid, gid))
 
     def _connection_lost(self, conn: Connection) -> None:
         self.state.connections.discard(conn)

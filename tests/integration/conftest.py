@@ -115,7 +115,7 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def flip_stored_byte(shard: Path, name: str, at: int = 100) -> None:
     """Flip one bit of tensor `name`'s bytes in the safetensors file `shard`, in place."""
-    from wcd.checkpoint import read_header
+    from wcd.headers import read_header
 
     [t] = [t for t in read_header(shard).tensors if t.name == name]
     with open(shard, "r+b") as f:

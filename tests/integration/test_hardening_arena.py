@@ -142,6 +142,20 @@ def test_reserves_of_unaddressable_shapes_are_refused(make_daemon):
     assert "Traceback" not in d.log.read_text()
 
 
+@pytest.mark.slow
+def test_entry_names_with_control_characters_are_refused(make_daemon, checkpoint):
+    """An admin's `load` named with an escape sequence or a newline made an entry every `list`,
+    log line and client then carried (and that clients now refuse to attach)."""
+    path, _ = checkpoint
+    d = make_daemon()
+    with d.client() as c, pinging(d) as pings:
+        for name in ("m\x1b[2J", "m\nERROR forged line"):
+            with pytest.raises(BadRequest, match="control characters are not allowed in entry names"):
+                c.load(name, path)
+        assert c.list() == []
+    assert_fast(pings)
+
+
 GOOD_REPLY: dict[str, Any] = {
     "lease": 1, "kind": "read", "entry": "m#0", "key": WeightCacheKey(model="m", transform="test").model_dump(),
     "origin": "publish", "publisher_uid": 0, "manifest": manifest((16,)), "ttl_s": 30.0,
@@ -203,6 +217,9 @@ def test_memory_mapped_after_release_counts_against_the_budget(make_daemon):
             c.publish(key, weights)
         assert "\n" not in refused.value.message
         assert host_memory(c)["mapped_after_release"] == 40 * MiB
+        [gauge] = [line for line in c.metrics().splitlines()
+                   if line.startswith('wcd_device_mapped_after_release_bytes{device="cpu"}')]
+        assert float(gauge.split()[-1]) == 40 * MiB
         assert kept.sum().item() == 40 * MiB  # the kept views still read the old bytes
         del kept, lease
         gc.collect()

@@ -14,9 +14,11 @@ from typing import Any
 import pytest
 
 import wcd.loader
+import wcd.pagecache
 from wcd.arenas.host import HostArena
 from wcd.checkpoint import Checkpoint
-from wcd.loader import ADVICE_BYTES, Progress, cached_fraction, fill_arena, read_ahead, resident
+from wcd.loader import ADVICE_BYTES, Progress, fill_arena, read_ahead
+from wcd.pagecache import cached_fraction, resident
 
 
 @pytest.fixture
@@ -69,12 +71,12 @@ def test_where_mincore_would_not_tell_pages_are_probed(blob: tuple[Path, int], m
 
     def probed() -> float:
         with monkeypatch.context() as m:
-            m.setattr(wcd.loader, "mincore_tells", lambda fd: False)
+            m.setattr(wcd.pagecache, "mincore_tells", lambda fd: False)
             return cached_fraction(fd)
 
     assert probed() == cached_fraction(fd) == 1.0
     with monkeypatch.context() as m:
-        m.setattr(wcd.loader, "mincore_tells", lambda fd: False)
+        m.setattr(wcd.pagecache, "mincore_tells", lambda fd: False)
         assert not resident(fd, 0, 4096)  # cannot tell: O_DIRECT reads are right either way
     if _fs_type(path) in ("tmpfs", "ramfs"):
         return
@@ -103,7 +105,7 @@ def test_a_daemon_that_may_only_read_a_file_sees_it_cold(blob: tuple[Path, int])
             os.setgroups([])
             os.setgid(65534)
             os.setuid(65534)
-            seen = (wcd.loader.mincore_tells(fd), cached_fraction(fd), resident(fd, 0, 4096))
+            seen = (wcd.pagecache.mincore_tells(fd), cached_fraction(fd), resident(fd, 0, 4096))
             os.write(w, repr(seen).encode())
         finally:
             os._exit(0)

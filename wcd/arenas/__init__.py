@@ -12,8 +12,8 @@ import sys
 import threading
 from collections.abc import Iterable
 
-from wcd import DISTRIBUTION
-from wcd.arenas.base import HOST_DEVICE, Arena, ArenaBackend, ArenaWriter, DeviceInfo
+from wcd import DISTRIBUTION, HOST_DEVICE
+from wcd.arenas.base import Arena, ArenaBackend, ArenaWriter, DeviceInfo
 from wcd.errors import BadRequest, DeviceUnavailable
 
 __all__ = ["Arena", "ArenaBackend", "ArenaWriter", "DeviceInfo", "backend_for", "device_memory", "is_gpu_device",

@@ -22,8 +22,6 @@ from wcd.errors import NotFound
 if TYPE_CHECKING:  # not at run time: clients import this module, and need no checkpoint code
     from wcd.checkpoint import Run
 
-# The device name of host memory (sealed memfds); GPUs are "cuda:N" or a GPU UUID.
-HOST_DEVICE = "cpu"
 # Guards every arena's count of workers using it: held for a few instructions twice per job.
 _USES = threading.Lock()
 

@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Any
 
+from wcd import HOST_DEVICE
 from wcd.arenas.base import (
     SEALS,
     SIZE_SEALS,
@@ -33,7 +34,6 @@ from wcd.arenas.base import (
 )
 from wcd.checkpoint import Run
 from wcd.errors import BadRequest, Busy, OutOfMemory
-from wcd.key import HOST_DEVICE
 from wcd.manifest import align_up
 
 log = logging.getLogger("wcd")
