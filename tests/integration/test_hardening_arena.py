@@ -21,6 +21,7 @@ from tests.integration.pings import assert_fast, pinging
 from tests.integration.test_hardening_trust import memfds, wait_until
 from wcd.client import Client
 from wcd.errors import BadReply, BadRequest, OutOfMemory
+from wcd.integrations.transformers import _find_entry
 from wcd.key import WeightCacheKey
 from wcd.manifest import TENSOR_COLUMNS, Manifest
 
@@ -226,3 +227,14 @@ def test_memory_mapped_after_release_counts_against_the_budget(make_daemon):
         wait_until(lambda: host_memory(c)["mapped_after_release"] == 0)
         c.publish(key, weights)
     assert_fast(pings)
+
+
+def test_the_transformers_integration_passes_over_a_crafted_entry(tmp_path: Path) -> None:
+    """`from_pretrained(fallback=True)` loads from disk when the entry's reply cannot be mapped: its
+    lookup passes over it (one warning) instead of raising."""
+    impostor = Impostor(tmp_path / "impostor.sock", {**GOOD_REPLY, **CRAFTED["manifest: 2**96 elements"]})
+    try:
+        with Client(tmp_path / "impostor.sock", heartbeats=False) as c:
+            assert _find_entry(c, tmp_path, "fingerprint", "m#0", load=False, timeout_s=5) is None
+    finally:
+        impostor.close()
