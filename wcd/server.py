@@ -343,8 +343,13 @@ class Server:
             more = f" (+{len(loading) - 1} more)" if len(loading) > 1 else ""
             return f"loading {e.name} {format_progress(e.done_bytes, e.manifest.nbytes)}{more}"
         held = sum(e.nbytes for e in cache.entries.values())
+        failed = ""
+        if cache.failures:
+            name, failure = next(reversed(cache.failures.items()))
+            more = f" (+{len(cache.failures) - 1} more)" if len(cache.failures) > 1 else ""
+            failed = f"; {name} failed: {failure.reason}{more}"
         return (f"serving {counted(len(cache.entries), 'entry')}, {counted(len(cache.leases), 'lease')}, "
-                f"{format_size(held)}")
+                f"{format_size(held)}{failed}")
 
     async def _report_status(self) -> None:
         last = ""

@@ -1,6 +1,7 @@
 """`wcdctl`: inspect and steer a running daemon. Parsing and printing only.
 
-Exit codes: 0 ok, 1 the daemon replied with an error, 2 usage, 3 daemon unreachable. The daemon
+Exit codes: 0 ok, 1 the daemon replied with an error, 2 usage, 3 daemon unreachable, 4 (`status`)
+a configured model failed to load. The daemon
 is `--socket PATH`, else `--instance NAME` (`$WCD_RUN_DIR/NAME.sock`, /run/wcd by default), else
 `$WCD_SOCKET`, else the only socket in the run directory. Every
 failure is one line on stderr; `--json` prints exactly one JSON document on stdout. A reader
@@ -24,7 +25,7 @@ from wcd.configfile import RUN_DIR, instance_socket_path, instance_sockets
 from wcd.errors import DaemonUnavailable, PermissionDenied, WcdError
 
 PROG = "wcdctl"
-EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE = 1, 2, 3
+EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_FAILED = 1, 2, 3, 4
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -83,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         print(_render(args.command, result))
     if args.command == "verify" and not result.get("match"):
         return EXIT_ERROR
+    if args.command == "status" and any(e["state"] == "failed" and e["origin"] == "config" for e in result["entries"]):
+        return EXIT_FAILED
     return 0
 
 
@@ -183,7 +186,6 @@ def _status(r: dict[str, Any]) -> str:
          format_size(d["used"])]
         for d in r["devices"]]))
     lines += ["", _entries(r["entries"])]
-    lines += [f"  {e['name']}: {note}" for e in r["entries"] for note in e.get("notes", [])]
     return "\n".join(lines)
 
 
@@ -197,8 +199,9 @@ def _entries(entries: list[dict[str, Any]]) -> str:
         if state == "loading" and p["total"]:
             state += " " + format_progress(p["done"], p["total"])
         rows.append([e["name"], state, e["device"], format_size(e["bytes"]), str(e["tensors"]), str(e["leases"]),
-                     e["retention"], e["origin"], _duration(e["idle_s"])])
-    return _table(["ENTRY", "STATE", "DEVICE", "SIZE", "TENSORS", "LEASES", "RETENTION", "ORIGIN", "IDLE"], rows)
+                     e["retention"] or "-", e["origin"], _duration(e["idle_s"])])
+    table = _table(["ENTRY", "STATE", "DEVICE", "SIZE", "TENSORS", "LEASES", "RETENTION", "ORIGIN", "IDLE"], rows)
+    return "\n".join([table, *(f"  {e['name']}: {note}" for e in entries for note in e.get("notes", []))])
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
