@@ -2,7 +2,7 @@
 
 No I/O and no asyncio: time comes from an injected clock, arenas are opaque handles the cache
 never touches. Operations that free memory return the entries they dropped; the caller (the
-`wcd.residency`) closes their arenas. Theory of operation:
+`wcd.residency`) ends their life records (`wcd.life`), which closes their arenas. Theory of operation:
 
 - An entry is admitted against its device's budget, evicting least-recently-used candidates
   (`cached`/`ephemeral`, `ready`, no leases) if needed; otherwise `OutOfMemory`.
@@ -75,6 +75,7 @@ class Entry:
     last_used: float
     leases: dict[int, Lease] = field(default_factory=dict)
     arena: Any = None  # opaque to the cache: the arena residency allocated
+    life: Any = None  # opaque to the cache: residency's record of what this entry owns (`wcd.life`)
     done_bytes: int = 0  # load progress
     # While loading: "allocating" (the arena), "reading" (the checkpoint into it) or "checking" (a
     # copy kept across a restart); set by `wcd.residency`, shown in status and metrics.

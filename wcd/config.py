@@ -41,7 +41,7 @@ _DEVICE = re.compile(r"cpu|cuda(?::\d{1,4})?|GPU-[0-9A-Fa-f-]{1,64}")
 
 def check_device(name: str) -> str:
     """`name` if it is spelled like a device; `ValueError` saying how to spell one otherwise. Whether
-    that GPU exists is known only when the daemon starts (`wcd.residency.device_budgets`)."""
+    that GPU exists is known only when the daemon starts (`wcd.devices.device_budgets`)."""
     if not _DEVICE.fullmatch(name):
         raise ValueError(f"unknown device {name!r}: use \"cpu\", \"cuda:N\" or a GPU UUID (\"GPU-...\")")
     return name

@@ -70,7 +70,7 @@ def read_toml(path: Path) -> dict[str, Any]:
 
 def named_devices(data: dict[str, Any]) -> list[str]:
     """The devices an unvalidated config names: each model's `device` and the `[daemon.budget]`
-    keys, the same places `wcd.residency.device_budgets` looks. Whatever is malformed is skipped:
+    keys, the same places `wcd.devices.device_budgets` looks. Whatever is malformed is skipped:
     validation reports it."""
     models = data.get("models")
     daemon = data.get("daemon")

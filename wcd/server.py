@@ -30,10 +30,11 @@ from wcd import __version__, ops, protocol, socketpath, systemd, workers
 from wcd.cache import Cache
 from wcd.config import Config, counted, format_progress, format_size, load_config
 from wcd.connection import Connection, Limits, Quotas, start_closers
+from wcd.devices import device_budgets
 from wcd.errors import BadRequest, Busy, ConfigError, NotFound, PermissionDenied, WcdError
 from wcd.metrics import Metrics
 from wcd.metrics_http import MetricsHttp
-from wcd.residency import RELEASE_WAIT_S, Residency, device_budgets
+from wcd.residency import RELEASE_WAIT_S, Residency
 from wcd.state import ServerState
 
 log = logging.getLogger("wcd")

@@ -25,10 +25,10 @@ import torch
 from safetensors.torch import save_file
 
 from tests.integration.conftest import same
+from wcd.adoption import ADOPTING_NOTE
 from wcd.client import Client
 from wcd.errors import Busy, NotFound
 from wcd.key import WeightCacheKey
-from wcd.residency import ADOPTING_NOTE
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -56,7 +56,10 @@ class FakeSystemd:
         (the Debian launcher runs `python3 -SsP`)."""
         # After a restart systemd passes the socket's fds, then the fd store's.
         passed = [(self.listener.fileno(), self.socket_name)] + [(fd, n) for n, fds in self.store.items() for fd in fds]
-        env = {**os.environ, **(env or {}), "LISTEN_FDS": str(len(passed)),
+        env = dict(env or {})
+        if "PYTHONPATH" in env and os.environ.get("PYTHONPATH"):  # a test's site dir, then the caller's path
+            env["PYTHONPATH"] += os.pathsep + os.environ["PYTHONPATH"]
+        env = {**os.environ, **env, "LISTEN_FDS": str(len(passed)),
                "LISTEN_FDNAMES": ":".join(n for _, n in passed), "NOTIFY_SOCKET": str(self.notify_path)}
         if watchdog_usec:
             env["WATCHDOG_USEC"] = str(watchdog_usec)

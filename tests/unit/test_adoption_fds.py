@@ -12,12 +12,13 @@ from typing import Any
 
 import pytest
 
-from wcd import residency
+from wcd import adoption, devices, residency, systemd
 from wcd.arenas.base import Arena
 from wcd.cache import Cache, Entry
 from wcd.config import Config
 from wcd.errors import BadRequest, DeviceUnavailable, Internal, NotFound, OutOfMemory
 from wcd.key import WeightCacheKey
+from wcd.life import life
 from wcd.manifest import Manifest
 from wcd.metrics import Metrics
 from wcd.residency import Residency
@@ -90,15 +91,28 @@ def adopted(gate: threading.Event | None = None) -> tuple[Residency, Rec, Entry]
     """A residency with "m" admitted from a record, as before READY (`_adopt`): loading, unchecked."""
     res = make()
     rec = Rec("m", WeightCacheKey(model="m"), gate=gate)
-    return res, rec, res._adopt(rec)
+    return res, rec, res._adopt(rec, arena_fd())
+
+
+def patch_backend(monkeypatch: pytest.MonkeyPatch, backend_for: Any) -> None:
+    monkeypatch.setattr(residency, "backend_for", backend_for)
+    monkeypatch.setattr(devices, "backend_for", backend_for)
+
+
+def check(res: Residency, entry: Entry, fd: int) -> Any:
+    """`_check_adopted` of an entry whose record came with the arena fd `fd` (for the placeholder)."""
+    rec, placeholder = life(entry).adopted  # type: ignore[misc]
+    os.close(placeholder)
+    life(entry).adopted = (rec, fd)
+    return res._check_adopted(entry)
 
 
 def gated(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, FakeBackend]:
     """A fake backend whose open waits for the gate, and no fd store: (the gate, the backend)."""
     gate = threading.Event()
     backend = FakeBackend()
-    monkeypatch.setattr(residency, "backend_for", lambda device: backend)
-    monkeypatch.setattr(residency, "_unstore", lambda name: None)
+    patch_backend(monkeypatch, lambda device: backend)
+    monkeypatch.setattr(systemd, "remove_fds", lambda name: None)
     return gate, backend
 
 
@@ -119,13 +133,13 @@ def test_a_backend_that_fails_to_load_closes_the_arena_fd(monkeypatch: pytest.Mo
     def no_backend(device: str) -> Any:
         raise DeviceUnavailable("device 'cuda:0' needs cuda-bindings, which is not installed: ...")
 
-    monkeypatch.setattr(residency, "backend_for", no_backend)
-    monkeypatch.setattr(residency, "_unstore", lambda name: None)
+    patch_backend(monkeypatch, no_backend)
+    monkeypatch.setattr(systemd, "remove_fds", lambda name: None)
 
     async def main() -> int:
         res, rec, entry = adopted()
         fd = arena_fd()
-        await res._check_adopted(entry, rec, fd)
+        await check(res, entry, fd)
         assert "m" not in res.cache.entries
         return fd
 
@@ -138,12 +152,12 @@ def test_a_check_cancelled_while_its_worker_opens_the_arena_closes_it_once_the_w
     """Shutdown cancels the check: the fd stays the worker's until it returns, then its arena goes."""
     gate = threading.Event()
     backend = FakeBackend(gate)
-    monkeypatch.setattr(residency, "backend_for", lambda device: backend)
+    patch_backend(monkeypatch, lambda device: backend)
 
     async def main() -> int:
         res, rec, entry = adopted()
         fd = arena_fd()
-        task = asyncio.ensure_future(res._check_adopted(entry, rec, fd))
+        task = asyncio.ensure_future(check(res, entry, fd))
         await asyncio.to_thread(backend.entered.wait, 5)
         task.cancel()  # Server.shutdown
         with pytest.raises(asyncio.CancelledError):
@@ -176,7 +190,7 @@ def test_a_second_evict_during_the_check_drops_the_entry_quietly(monkeypatch: py
 
     async def main() -> None:
         res, rec, entry = adopted(gate)
-        task = asyncio.ensure_future(res._check_adopted(entry, rec, arena_fd()))
+        task = asyncio.ensure_future(check(res, entry, arena_fd()))
         await asyncio.to_thread(backend.entered.wait, 5)
         await asyncio.sleep(0.1)
         res.evict(entry)  # wcdctl evict m: marked evicting (it is loading)
@@ -184,7 +198,7 @@ def test_a_second_evict_during_the_check_drops_the_entry_quietly(monkeypatch: py
         gate.set()
         await task
         assert "m" not in res.cache.entries
-        assert await released(backend)  # closed off the loop (`residency._close_later`), not awaited
+        assert await released(backend)  # closed off the loop (`offloop.close_later`), not awaited
 
     asyncio.run(main())
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
@@ -206,7 +220,7 @@ def test_an_acquire_after_a_reload_changed_an_entry_still_being_checked_waits_fo
 
     async def main() -> float:
         res, rec, entry = adopted(gate)
-        task = asyncio.ensure_future(res._check_adopted(entry, rec, arena_fd()))
+        task = asyncio.ensure_future(check(res, entry, arena_fd()))
         await asyncio.to_thread(backend.entered.wait, 5)
         res.supersede(entry)  # SIGHUP: m is no longer configured
         assert entry.state == "evicting" and res.still_loading(entry)
@@ -245,7 +259,7 @@ class FlakyBackend(FakeBackend):
 
 @pytest.mark.parametrize(("failures", "error", "kept"), [
     (2, OutOfMemory("cuda:0: out of memory for the staging context"), True),  # then the GPU had room
-    (len(residency.CHECK_RETRY_S) + 1, Internal("cuMemMap: CUDA_ERROR_UNKNOWN"), False),  # it never did
+    (len(adoption.CHECK_RETRY_S) + 1, Internal("cuMemMap: CUDA_ERROR_UNKNOWN"), False),  # it never did
     (1, BadRequest("m: the arena is smaller than the 4096 bytes its record says"), False),  # not the GPU's state
 ])
 def test_a_check_that_fails_for_want_of_memory_is_tried_again_before_the_copy_is_dropped(
@@ -256,27 +270,27 @@ def test_a_check_that_fails_for_want_of_memory_is_tried_again_before_the_copy_is
     monkeypatch.setattr(FlakyArena, "failures", failures)
     monkeypatch.setattr(FlakyArena, "error", error)
     monkeypatch.setattr(FlakyArena, "checks", 0)
-    monkeypatch.setattr(residency, "backend_for", lambda device: FlakyBackend())
-    monkeypatch.setattr(residency, "CHECK_RETRY_S", (0.01,) * len(residency.CHECK_RETRY_S))
+    patch_backend(monkeypatch, lambda device: FlakyBackend())
+    monkeypatch.setattr(adoption, "CHECK_RETRY_S", (0.01,) * len(adoption.CHECK_RETRY_S))
     unstored: list[str] = []
-    monkeypatch.setattr(residency, "_unstore", unstored.append)
+    monkeypatch.setattr(systemd, "remove_fds", unstored.append)
     caplog.set_level(logging.WARNING, logger="wcd")
 
     async def main() -> None:
         res, rec, entry = adopted()
-        await res._check_adopted(entry, rec, arena_fd())
+        await check(res, entry, arena_fd())
         if kept:
             assert res.cache.entries["m"].state == "ready" and unstored == []
             assert FlakyArena.checks == failures + 1
         else:
             assert "m" not in res.cache.entries and unstored  # dropped, and out of the fd store
-            assert FlakyArena.checks == (1 if isinstance(error, BadRequest) else len(residency.CHECK_RETRY_S) + 1)
+            assert FlakyArena.checks == (1 if isinstance(error, BadRequest) else len(adoption.CHECK_RETRY_S) + 1)
 
     asyncio.run(main())
     lines = [r.getMessage() for r in caplog.records]
     assert all("Traceback" not in line for line in lines)
     assert sum("checked again" in line for line in lines) == (0 if isinstance(error, BadRequest)
-                                                                else min(failures, len(residency.CHECK_RETRY_S)))
+                                                                else min(failures, len(adoption.CHECK_RETRY_S)))
 
 
 def test_a_broken_cuda_bindings_is_one_line_once_the_daemon_serves(monkeypatch: pytest.MonkeyPatch,
@@ -286,7 +300,7 @@ def test_a_broken_cuda_bindings_is_one_line_once_the_daemon_serves(monkeypatch: 
     def broken(device: str) -> Any:
         raise ImportError("libnvrtc.so.12: cannot open shared object file")
 
-    monkeypatch.setattr(residency, "backend_for", broken)
+    patch_backend(monkeypatch, broken)
     caplog.set_level(logging.INFO, logger="wcd")
     state = ServerState(Config(), "t", Cache({"cpu": 1 << 30, "GPU-1": 1 << 30}, 30.0), {"cpu": "cpu"}, 0.0)
     Residency(state, Metrics(state), lambda c: None).warm_backends()
@@ -299,23 +313,23 @@ def test_an_old_entrys_end_does_not_take_the_reload_flag_of_a_new_entry_of_its_n
     """Entry 1 of "m" is dropped while its task still runs; entry 2 of "m" comes, and a reload
     supersedes it while it loads. When entry 1's task ends (`_drop_loading`), entry 2 must still be
     replaced per the new config when it ends, and still be waited for: both are kept per entry."""
-    monkeypatch.setattr(residency, "_unstore", lambda name: None)
+    monkeypatch.setattr(systemd, "remove_fds", lambda name: None)
 
     async def main() -> None:
         res = make()
-        first = res._adopt(Rec("m", WeightCacheKey(model="m")))
+        first = res._adopt(Rec("m", WeightCacheKey(model="m")), arena_fd())
         res.evict(first)
         res.evict(first)  # dropped now; its check (say) still runs
         assert "m" not in res.cache.entries
-        second = res._adopt(Rec("m", WeightCacheKey(model="m")))
+        second = res._adopt(Rec("m", WeightCacheKey(model="m")), arena_fd())
         res.supersede(second)  # a reload changed "m" while the new entry loads
         await res._drop_loading(first)  # the old task ends
-        assert second in res._superseded and res.still_loading(second)
+        assert life(second).superseded and res.still_loading(second)
         waiter = asyncio.ensure_future(res.wait_ready(second, 5))
         await asyncio.sleep(0.01)
         assert not waiter.done()  # woken by the new entry's end only
         await res._drop_loading(second)
-        assert second not in res._superseded and "m" not in res.cache.entries
+        assert not life(second).superseded and "m" not in res.cache.entries
         with pytest.raises(NotFound):
             await waiter
 
@@ -331,7 +345,7 @@ def test_status_shows_the_records_tensor_count_while_an_adopted_entry_is_checked
     async def main() -> None:
         res, rec, entry = adopted(gate)
         assert entry.describe()["tensors"] == 1 and entry.describe()["state"] == "loading"
-        task = asyncio.ensure_future(res._check_adopted(entry, rec, arena_fd()))
+        task = asyncio.ensure_future(check(res, entry, arena_fd()))
         await asyncio.to_thread(backend.entered.wait, 5)
         assert entry.describe()["tensors"] == 1 and not entry.manifest.names  # still checking
         gate.set()

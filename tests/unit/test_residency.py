@@ -102,7 +102,7 @@ def test_both_waits_for_both_calls_whatever_ends_it() -> None:
     import time
 
     from wcd.errors import LoadFailed
-    from wcd.residency import _both
+    from wcd.offloop import both as _both
 
     ended: list[str] = []
 
@@ -145,7 +145,7 @@ def test_what_a_cancelled_open_opened_is_closed() -> None:
     """`_opened`: cancelled while its thread opens, the result is closed once it is there."""
     import threading
 
-    from wcd.residency import _opened
+    from wcd.offloop import produced as _opened
 
     closed = threading.Event()
     go = threading.Event()
@@ -181,7 +181,7 @@ def test_both_outlasts_the_loops_end() -> None:
     awaiting them still waits for both threads before it goes on (its caller closes their fds)."""
     import time
 
-    from wcd.residency import _both
+    from wcd.offloop import both as _both
 
     ended: list[str] = []
 
@@ -205,7 +205,7 @@ def test_both_outlasts_the_loops_end() -> None:
 
 
 def test_a_filled_checkpoints_headers_are_freed_in_a_thread_not_on_the_loop() -> None:
-    """`_drop_later`: 100,000 tensors' columns take ms to free; the loop answers meanwhile."""
+    """`_free_headers`: 100,000 tensors' columns take ms to free; the loop answers meanwhile."""
     freed_on: list[str] = []
 
     class Column:
@@ -218,7 +218,7 @@ def test_a_filled_checkpoints_headers_are_freed_in_a_thread_not_on_the_loop() ->
 
     async def main() -> Filled:
         ckpt = Filled()
-        residency._drop_later(ckpt)  # type: ignore[arg-type]
+        residency._free_headers(ckpt)  # type: ignore[arg-type]
         assert ckpt.headers == ()
         deadline = time.monotonic() + 5
         while len(freed_on) < 2 and time.monotonic() < deadline:
