@@ -80,6 +80,7 @@ class Entry:
     # While loading: "allocating" (the arena), "reading" (the checkpoint into it) or "checking" (a
     # copy kept across a restart); set by `wcd.residency`, shown in status and metrics.
     load_phase: str = ""
+    reading_since: float | None = None  # time.monotonic() when the reading began: rate and time left
     acquires: int = 0
     notes: list[str] = field(default_factory=list)  # shown in status, e.g. "checkpoint missing"
     publisher: int | None = None  # uid whose bytes these are: the daemon's for its loads
@@ -109,13 +110,24 @@ class Entry:
             "origin": self.origin,
             "publisher_uid": self.publisher,
             "tensors": len(self.manifest) if self.recorded_tensors is None else self.recorded_tensors,
-            "progress": {"done": self.done_bytes, "total": self.manifest.nbytes, "phase": self.load_phase},
+            "progress": self._progress(),
             "acquires": self.acquires,
             "notes": self.notes,
             "last_used": datetime.fromtimestamp(time.time() - idle_s, timezone.utc).isoformat(timespec="seconds"),
             "idle_s": round(idle_s, 3),
             "key": self.key.model_dump(),
         }
+
+    def _progress(self) -> dict[str, Any]:
+        """Bytes done of the total; while loading, the phase, and once reading, bytes/s and seconds left."""
+        done, total = self.done_bytes, self.manifest.nbytes
+        progress: dict[str, Any] = {"done": done, "total": total, "phase": self.load_phase}
+        if self.load_phase == "reading" and self.reading_since is not None:
+            elapsed = time.monotonic() - self.reading_since
+            rate = done / elapsed if elapsed > 0 else 0.0
+            progress["rate"] = round(rate)
+            progress["eta_s"] = round((total - done) / rate, 1) if rate > 0 else None
+        return progress
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,6 +91,28 @@ def format_progress(done: int, total: int) -> str:
     return f"{100 * done // max(total, 1)}% {done / scale:.{digits}f}/{total / scale:.{digits}f} {unit}"
 
 
+def describe_progress(progress: dict[str, Any]) -> str:
+    """A load's progress (`Entry.describe()["progress"]`) for people: "reading 45% 1.7/3.8 GiB,
+    350.0 MiB/s, 6 s left"; the phase first when the daemon names one."""
+    text = format_progress(progress["done"], progress["total"])
+    phase = progress.get("phase")
+    if progress.get("rate"):
+        text += f", {format_size(progress['rate'])}/s"
+        if progress.get("eta_s") is not None:
+            text += f", {format_duration(progress['eta_s'])} left"
+    return f"{phase} {text}" if phase else text
+
+
+def format_duration(seconds: float) -> str:
+    """Seconds for people: "45s", "3m05s", "2h10m"."""
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
 def _fitting_unit(n: float) -> tuple[int, str]:
     for power, unit in enumerate(("B", "KiB", "MiB", "GiB")):
         if abs(n) < 1024 ** (power + 1):

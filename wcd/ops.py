@@ -262,7 +262,14 @@ async def load(ctx: Context, conn: Connection, req: protocol.Load) -> None:
     entry = ctx.state.cache.entries.get(req.name)
     if entry is None:
         started = time.monotonic()
-        entry = await ctx.residency.admit_load(req.name, path, device, retention, "load", follow)
+        try:
+            entry = await ctx.residency.admit_load(req.name, path, device, retention, "load", follow)
+        except (Busy, PermissionDenied):
+            raise  # the name or key is taken, or the path is not the peer's to load: nothing failed to load
+        except WcdError as e:
+            ctx.residency.failed(req.name, f"{e.message} (wcdctl load by uid {conn.uid})",
+                                 "config" if req.path is None else "load", device, path)
+            raise
         admitted = time.monotonic()
         task = ctx.residency.start_fill(entry)
         if req.wait:

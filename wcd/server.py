@@ -28,7 +28,7 @@ from typing import Any
 
 from wcd import __version__, ops, protocol, socketpath, systemd, workers
 from wcd.cache import Cache
-from wcd.config import Config, counted, format_progress, format_size, load_config
+from wcd.config import Config, counted, describe_progress, format_size, load_config
 from wcd.connection import Connection, Limits, Quotas, start_closers
 from wcd.devices import device_budgets
 from wcd.errors import BadRequest, Busy, ConfigError, NotFound, PermissionDenied, WcdError
@@ -178,6 +178,9 @@ class Server:
             self._notify("ready", f"reload failed: {e.message}"[:200])
             return
         fresh = {m.name: m for m in new.models}
+        for name, failure in list(cache.failures.items()):
+            if failure.origin == "config" and name not in fresh:
+                cache.forget_failure(name)  # its model left the config; a failed one still there is tried again below
         for name, model in old.items():
             if fresh.get(name) != model and name in cache.entries:
                 log.info("reload: %s was removed or changed; evicting it once its leases end, or its load "
@@ -342,7 +345,7 @@ class Server:
         if loading:
             e = loading[0]
             more = f" (+{len(loading) - 1} more)" if len(loading) > 1 else ""
-            return f"loading {e.name} {format_progress(e.done_bytes, e.manifest.nbytes)}{more}"
+            return f"loading {e.name} {describe_progress(e.describe()['progress'])}{more}"
         held = sum(e.nbytes for e in cache.entries.values())
         failed = ""
         if cache.failures:

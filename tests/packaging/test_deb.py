@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "packaging" / "build-deb.sh"
 SYSTEM_PYTHON = "/usr/bin/python3"
 # The dependencies the daemon needs (pyproject.toml), vendored as these top-level modules.
-VENDORED = ["msgpack", "pydantic", "pydantic_core", "uvloop", "sdnotify", "safetensors", "prometheus_client"]
+VENDORED = ["msgpack", "pydantic", "pydantic_core", "uvloop", "sdnotify", "safetensors", "prometheus_client", "tqdm"]
 
 
 @dataclass(frozen=True)
