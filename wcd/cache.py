@@ -16,7 +16,12 @@ never touches. Operations that free memory return the entries they dropped; the 
   allocation it waits for begins: a large allocation cannot expire it unseen.
 - Every entry carries its publisher's uid (the daemon's for its own loads). Only admins evict
   what they did not publish, and pin.
-- At most `max_entries` entries: each holds a descriptor, whatever its size.
+- A key is scoped by its publisher: entries of one key from different uids never collide, so no
+  uid can squat another's key. A lookup by key takes the first of the publishers its asker
+  trusts, in the asker's order (its own uid, the daemon's, `trusted_publishers`).
+- At most `max_entries` entries (each holds a descriptor, whatever its size): a new one evicts the
+  least recently used unleased entry when the daemon is full. A uid publishes at most
+  `max_entries_per_uid` of them.
 - A load that ends without an entry leaves a `Failure` under its name (shown as state `failed`,
   with its reason and when) until the name is admitted again, a reload drops it, or it is evicted.
   Failures hold no memory; at most `max_entries` of them are kept, the oldest going first.
@@ -31,15 +36,16 @@ import heapq
 import itertools
 import math
 import time
-from collections.abc import Callable, Hashable, Iterable
+from collections import Counter
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Literal
 
-from wcd.config import format_size
 from wcd.errors import BadRequest, Busy, KeyMismatch, LeaseExpired, NotFound, OutOfMemory, PermissionDenied
 from wcd.key import WeightCacheKey
 from wcd.manifest import Manifest
+from wcd.units import format_size
 
 State = Literal["loading", "filling", "ready", "evicting"]
 Retention = Literal["pinned", "cached", "ephemeral"]
@@ -47,6 +53,7 @@ LeaseKind = Literal["read", "fill"]
 Origin = Literal["config", "load", "publish"]
 
 DEFAULT_MAX_ENTRIES = 4096
+DEFAULT_MAX_ENTRIES_PER_UID = 256
 NEAR_MISS_CANDIDATES = 16  # entries of the same model a key_mismatch compares the key with
 
 
@@ -155,18 +162,24 @@ class Failure:
 
 class Cache:
     def __init__(self, budgets: dict[str, int], lease_ttl_s: float,
-                 clock: Callable[[], float] = time.monotonic, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_entries: int = DEFAULT_MAX_ENTRIES,
+                 max_entries_per_uid: int = DEFAULT_MAX_ENTRIES_PER_UID) -> None:
         self.budgets = dict(budgets)
         self.lease_ttl_s = lease_ttl_s
         self.clock = clock
         self.max_entries = max_entries
+        self.max_entries_per_uid = max_entries_per_uid
+        # Bytes of a device that entries no longer hold but other processes still map (arenas
+        # reclaimed after their leases ended, whose views were kept): the residency sets it.
+        self.outside: Callable[[str], int] = lambda device: 0
         self.entries: dict[str, Entry] = {}
         self.leases: dict[int, Lease] = {}
         self._ids = itertools.count(1)
         self.stats = {"lease_expiries": 0, "evictions": 0, "load_failures": 0}
         self.failures: dict[str, Failure] = {}  # by name, oldest first
         # Indexes over `entries` and `leases`, kept by the methods below (nothing else mutates them):
-        self._by_key: dict[WeightCacheKey, Entry] = {}
+        self._by_key: dict[WeightCacheKey, dict[int | None, Entry]] = {}  # key -> publisher uid -> entry
+        self._published: Counter[int | None] = Counter()  # published entries per publisher uid
         self._by_model: dict[str, dict[str, Entry]] = {}  # model -> entry name -> entry
         self._used: dict[str, int] = dict.fromkeys(self.budgets, 0)
         self._by_owner: dict[Hashable, dict[int, Lease]] = {}
@@ -179,14 +192,22 @@ class Cache:
     def used(self, device: str) -> int:
         return self._used.get(device, 0)
 
-    def by_key(self, key: WeightCacheKey) -> Entry | None:
-        return self._by_key.get(key)
+    def by_key(self, key: WeightCacheKey, publishers: Iterable[int | None]) -> Entry | None:
+        """The entry with `key` from the first of `publishers` that has one."""
+        found = self._by_key.get(key)
+        if found:
+            for uid in publishers:
+                entry = found.get(uid)
+                if entry is not None:
+                    return entry
+        return None
 
     def leases_of(self, owner: Hashable) -> int:
         return len(self._by_owner.get(owner, ()))
 
-    def find(self, target: str | WeightCacheKey) -> Entry:
-        """The entry named `target`, or whose key equals it. A near miss reports the differing fields."""
+    def find(self, target: str | WeightCacheKey, publishers: Sequence[int | None] = ()) -> Entry:
+        """The entry named `target`, or whose key equals it from the first of `publishers` (whom the
+        asker trusts, in order) that has one. A near miss reports the differing fields."""
         if isinstance(target, str):
             entry = self.entries.get(target)
             if entry is None and target in self.failures:
@@ -197,9 +218,17 @@ class Cache:
             if entry is None:
                 raise NotFound(f"no entry named {target!r} (wcdctl list shows what is resident)", {"name": target})
             return entry
-        entry = self.by_key(target)
+        entry = self.by_key(target, publishers)
         if entry is not None:
             return entry
+        others = self._by_key.get(target)
+        if others:
+            uids = sorted(others, key=str)[:8]
+            raise NotFound(
+                f"no entry of model {target.model!r} with this key from a publisher trusted here (uids "
+                f"{', '.join(map(str, publishers))}); published by uid {', '.join(map(str, uids))}: "
+                "acquire it by name if you mean to, or have the daemon list its uid in trusted_publishers",
+                {"model": target.model, "publishers": uids})
         # A bounded sample: a peer may ask thousands of near misses against thousands of entries.
         same_model = list(itertools.islice(self._by_model.get(target.model, {}).values(), NEAR_MISS_CANDIDATES))
         if not same_model:
@@ -227,21 +256,25 @@ class Cache:
         """
         if name in self.entries:
             raise Busy(f"an entry named {name!r} already exists ({self.entries[name].state})", {"name": name})
-        if len(self.entries) >= self.max_entries:
-            raise Busy(f"the daemon holds {len(self.entries)} entries, its max_entries: evict some (wcdctl evict) "
-                       "or raise max_entries in the daemon's config", {"limit": "max_entries"})
-        if self.by_key(key) is not None:
-            raise Busy(f"an entry with this key already exists: {self.by_key(key).name!r}")  # type: ignore[union-attr]
+        taken = self.by_key(key, (publisher,))
+        if taken is not None:
+            raise Busy(f"uid {publisher} already has an entry with this key: {taken.name!r}", {"name": taken.name})
+        if origin == "publish" and self._published[publisher] >= self.max_entries_per_uid:
+            raise Busy(f"uid {publisher} has published {self._published[publisher]} entries, the daemon's "
+                       "max_entries_per_uid: evict some of them (wcdctl evict) first", {"limit": "max_entries_per_uid"})
         device = key.device
         if device not in self.budgets:
             raise BadRequest(f"device {device!r} is not managed by this daemon (devices: {', '.join(self.budgets)})")
         victims = self._make_room(device, nbytes)
+        victims += self._make_count_room(victims)
         now = self.clock()
         state: State = "filling" if origin == "publish" and not adopted else "loading"
         entry = Entry(name, key, manifest, nbytes, retention, origin, state, now, now, publisher=publisher)
         self.failures.pop(name, None)  # tried again
         self.entries[name] = entry
-        self._by_key[key] = entry
+        self._by_key.setdefault(key, {})[publisher] = entry
+        if origin == "publish":
+            self._published[publisher] += 1
         self._by_model.setdefault(key.model, {})[name] = entry
         self._used[device] = self._used.get(device, 0) + nbytes
         for v in victims:
@@ -251,14 +284,11 @@ class Cache:
 
     def _make_room(self, device: str, nbytes: int) -> list[Entry]:
         budget = self.budgets[device]
-        free = budget - self.used(device)
+        outside = self.outside(device)
+        free = budget - self.used(device) - outside
         if nbytes <= free:
             return []
-        candidates = sorted(
-            (e for e in self.entries.values()
-             if e.device == device and e.state == "ready" and e.retention != "pinned" and not e.leases),
-            key=lambda e: e.last_used,
-        )
+        candidates = sorted((e for e in self._evictable() if e.device == device), key=lambda e: e.last_used)
         victims = []
         for e in candidates:
             if free >= nbytes:
@@ -267,13 +297,35 @@ class Cache:
             free += e.nbytes
         if free < nbytes:
             held = self.used(device) - sum(e.nbytes for e in candidates)
+            details = {"device": device, "need": nbytes, "budget": budget, "held": held}
+            kept = ""
+            if outside:
+                details["outside"] = outside
+                kept = (f", {format_size(outside)} by processes still mapping entries that are gone (views kept "
+                        "after their leases ended: those engines must drop them or exit)")
             raise OutOfMemory(
                 f"{format_size(nbytes)} does not fit on {device}: budget {format_size(budget)}, "
-                f"{format_size(held)} held by pinned, leased or loading entries; "
-                "evict something (wcdctl evict) or raise the budget",
-                {"device": device, "need": nbytes, "budget": budget, "held": held},
-            )
+                f"{format_size(held)} held by pinned, leased or loading entries{kept}; "
+                "evict something (wcdctl evict) or raise the budget", details)
         return victims
+
+    def _make_count_room(self, victims: list[Entry]) -> list[Entry]:
+        """One more entry than the daemon holds after `victims` go would pass `max_entries`: the
+        least recently used evictable entry of any device and publisher goes too, or `Busy`.
+        (A scan of the entries, only while the daemon is full.)"""
+        if len(self.entries) - len(victims) < self.max_entries:
+            return []
+        going = set(map(id, victims))
+        lru = min((e for e in self._evictable() if id(e) not in going), key=lambda e: e.last_used, default=None)
+        if lru is None:
+            raise Busy(f"the daemon holds {len(self.entries)} entries, its max_entries, and each is pinned, leased "
+                       "or loading: release or evict some (wcdctl evict) or raise max_entries in the daemon's "
+                       "config", {"limit": "max_entries"})
+        return [lru]
+
+    def _evictable(self) -> Iterator[Entry]:
+        """Entries that may go to make room: ready, not pinned, unleased."""
+        return (e for e in self.entries.values() if e.state == "ready" and e.retention != "pinned" and not e.leases)
 
     def check_evict(self, entry: Entry, uid: int, admin: bool) -> None:
         """`PermissionDenied` unless the peer may evict `entry`: admins any, others only what they published."""
@@ -296,7 +348,14 @@ class Cache:
         for lease in list(entry.leases.values()):
             self._forget(lease)
         del self.entries[entry.name]
-        del self._by_key[entry.key]
+        same_key = self._by_key[entry.key]
+        del same_key[entry.publisher]
+        if not same_key:
+            del self._by_key[entry.key]
+        if entry.origin == "publish":
+            self._published[entry.publisher] -= 1
+            if not self._published[entry.publisher]:
+                del self._published[entry.publisher]
         same_model = self._by_model[entry.key.model]
         del same_model[entry.name]
         if not same_model:

@@ -79,7 +79,7 @@ class Life:
         self.phase = "reclaimed"
         if self.parked:
             self.parked = False
-            for name in parking.fd_names(entry.key):
+            for name in parking.fd_names(entry.key, entry.publisher):
                 unstore(name)
         if entry.arena is not None:
             close_later(entry.arena)

@@ -154,9 +154,13 @@ class _StateCollector:
         cache = self.state.cache
         budget = GaugeMetricFamily("wcd_device_budget_bytes", "Configured budget per device", labels=["device"])
         used = GaugeMetricFamily("wcd_device_used_bytes", "Bytes held by wcd per device", labels=["device"])
+        outside = GaugeMetricFamily("wcd_device_mapped_after_release_bytes",
+                                    "Bytes of gone entries other processes still map (counted against the budget)",
+                                    labels=["device"])
         for device, size in cache.budgets.items():
             budget.add_metric([device], size)
             used.add_metric([device], cache.used(device))
+            outside.add_metric([device], cache.outside(device))
         states = GaugeMetricFamily("wcd_entries", "Entries by state (failed: loads that ended without one)",
                                    labels=["state"])
         for state in ("loading", "filling", "ready", "evicting"):
@@ -174,6 +178,7 @@ class _StateCollector:
                                            if e.state in ("loading", "evicting") and e.load_phase == phase))
         yield budget
         yield used
+        yield outside
         yield states
         yield phases
         yield leases

@@ -27,14 +27,15 @@ from typing import Any, Generic, TypeVar
 from wcd import __version__, protocol
 from wcd.arenas import backend_for
 from wcd.cache import Cache, Entry, Lease
-from wcd.config import format_size, peer_gids
 from wcd.connection import Connection
 from wcd.errors import BadRequest, Busy, Internal, NotFound, PermissionDenied, UnsupportedVersion, WcdError
 from wcd.key import HOST_DEVICE, WeightCacheKey
 from wcd.manifest import Manifest
 from wcd.metrics import Metrics
+from wcd.peers import peer_gids
 from wcd.residency import Residency
 from wcd.state import ServerState
+from wcd.units import format_size
 
 log = logging.getLogger("wcd")
 
@@ -64,6 +65,11 @@ class Context:
         if gids is None:
             gids = self.peer_groups[conn] = peer_gids(conn.uid, conn.gid)
         return daemon.is_admin(conn.uid, gids, os.getuid())
+
+    def publishers(self, conn: Connection) -> tuple[int, ...]:
+        """Whose entries a lookup by key from `conn` takes, in order: its own uid's, the daemon's
+        (its loads), then the `trusted_publishers`' (DESIGN §10)."""
+        return (conn.uid, os.getuid(), *self.state.config.daemon.trusted_publishers)
 
     def require_admin(self, conn: Connection, what: str) -> None:
         if not self.is_admin(conn):
@@ -101,7 +107,8 @@ def status(ctx: Context, conn: Connection, req: protocol.Status) -> None:
     for device, budget in cache.budgets.items():
         info = backend_for(device).info(device)
         devices.append({"device": device, "name": info.name, "total": info.total, "free": info.free,
-                        "budget": budget, "used": cache.used(device)})
+                        "budget": budget, "used": cache.used(device),
+                        "mapped_after_release": cache.outside(device)})
     entries = _described(cache)
     conn.send(protocol.ok(
         req.id, version=__version__, instance=state.instance, pid=os.getpid(),
@@ -155,7 +162,7 @@ def evict(ctx: Context, conn: Connection, req: protocol.Evict) -> None:
         log.info("%s: its failed load forgotten (evicted by uid %d)", target, conn.uid)
         conn.send(protocol.ok(req.id, entry=target, state="evicted", leases=0))
         return
-    entry = ctx.state.cache.find(ctx.residency.resolve(target))
+    entry = ctx.state.cache.find(ctx.residency.resolve(target), ctx.publishers(conn))
     ctx.state.cache.check_evict(entry, conn.uid, ctx.is_admin(conn))
     dropped = ctx.residency.evict(entry)
     conn.send(protocol.ok(req.id, entry=entry.name, state="evicted" if dropped else entry.state,
@@ -179,22 +186,22 @@ async def _metrics_later(ctx: Context, conn: Connection, req: protocol.Metrics) 
 # -- may wait (for a load, a thread, a digest): each runs as a task of its connection ---------
 
 
-async def _find(ctx: Context, target: str | WeightCacheKey, wait: bool, deadline: float) -> Entry:
+async def _find(ctx: Context, conn: Connection, target: str | WeightCacheKey, wait: bool, deadline: float) -> Entry:
     """`cache.find`; a name whose configured model is being admitted (after a reload, or once the
     leases of the entry a reload changed end) is waited for when the client waits."""
     try:
-        return ctx.state.cache.find(target)
+        return ctx.state.cache.find(target, ctx.publishers(conn))
     except NotFound:
         if not (wait and isinstance(target, str)
                 and await ctx.residency.admission(target, max(0.0, deadline - time.monotonic()))):
             raise
-    return ctx.state.cache.find(target)
+    return ctx.state.cache.find(target, ctx.publishers(conn))
 
 
 async def acquire(ctx: Context, conn: Connection, req: protocol.Acquire) -> None:
     target = ctx.residency.resolve(req.target())
     deadline = time.monotonic() + req.timeout_s
-    entry = await _find(ctx, target, req.wait, deadline)
+    entry = await _find(ctx, conn, target, req.wait, deadline)
     # Evicting but still loading (a reload changed it during its fill or check): wait for that to
     # end, as for a load; the model of the new config is then admitted under its name.
     while entry.state in ("loading", "filling") or ctx.residency.still_loading(entry):
@@ -209,7 +216,7 @@ async def acquire(ctx: Context, conn: Connection, req: protocol.Acquire) -> None
             if current is entry or (current is None and not await ctx.residency.admission(
                     entry.name, max(0.0, deadline - time.monotonic()))):
                 raise
-            entry = ctx.state.cache.find(target)
+            entry = ctx.state.cache.find(target, ctx.publishers(conn))
     if not entry.manifest.wire_ready():  # once per entry: 10^5 tensors take a while
         await asyncio.to_thread(entry.manifest.wire)
         if ctx.state.cache.entries.get(entry.name) is not entry:
@@ -223,7 +230,7 @@ async def reserve(ctx: Context, conn: Connection, req: protocol.Reserve) -> None
     key = req.key.model_copy(update={"device": ctx.residency.canonical_device(req.key.device, from_peer=True)})
     conn.quotas.fd_room(conn)
     manifest = await asyncio.to_thread(_reserved_manifest, req.columns)
-    name = f"{key.model}#{key.digest()[:8]}"
+    name = f"{key.model}#{key.digest(conn.uid)[:8]}"  # one key, one entry per publisher
     _send_lease(ctx, conn, req.id, await ctx.residency.reserve(name, key, manifest, req.retention, conn,
                                                                conn.pid, conn.uid))
 
@@ -285,7 +292,7 @@ MISMATCHES_LISTED = 50  # a verify reply names at most these; `mismatched_count`
 
 
 async def verify(ctx: Context, conn: Connection, req: protocol.Verify) -> None:
-    entry = ctx.state.cache.find(ctx.residency.resolve(req.target()))
+    entry = ctx.state.cache.find(ctx.residency.resolve(req.target()), ctx.publishers(conn))
     limit = ctx.state.config.daemon.max_verifies_per_uid
     if ctx.verifying[conn.uid] >= limit:
         raise Busy(f"uid {conn.uid} has {limit} verify requests in flight (max_verifies_per_uid); "

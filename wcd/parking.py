@@ -45,9 +45,9 @@ class ParkedEntry:
         return Manifest.from_wire(self.manifest_wire)  # its size is `manifest_size`: from_wire keeps it
 
 
-def fd_names(key: WeightCacheKey) -> tuple[str, str]:
-    """(arena name, record name) in the fd store for the entry with `key`."""
-    stem = f"wcd-{key.digest()}"
+def fd_names(key: WeightCacheKey, publisher: int | None) -> tuple[str, str]:
+    """(arena name, record name) in the fd store for the entry with `key` from `publisher`."""
+    stem = f"wcd-{key.digest(publisher)}"
     return stem + ARENA_SUFFIX, stem + RECORD_SUFFIX
 
 

@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from wcd import adoption, parking
-from wcd.arenas import Arena, ArenaBackend, backend_for, loaded_backends
+from wcd.arenas import Arena, ArenaBackend, backend_for, loaded_backends, released_held
 from wcd.cache import Entry, Lease, Origin, Retention
 from wcd.checkpoint import Checkpoint, Shards
-from wcd.config import ModelConfig, describe_progress, format_duration, format_size
+from wcd.config import ModelConfig
 from wcd.devices import Devices
 from wcd.errors import BadRequest, Busy, LoadFailed, NotFound, WcdError
 from wcd.header_helpers import HeaderHelpers
@@ -43,6 +43,7 @@ from wcd.manifest import Manifest
 from wcd.metrics import Metrics
 from wcd.offloop import both, close_later, free_later, produced, using
 from wcd.state import ServerState
+from wcd.units import describe_progress, format_duration, format_size
 from wcd.verifying import Verification, Verifier
 from wcd.workers import Pool
 
@@ -60,6 +61,7 @@ class Residency:
     def __init__(self, state: ServerState, metrics: Metrics, spawn: Spawn) -> None:
         self.state = state
         self.cache = state.cache
+        self.cache.outside = released_held  # what reclaimed arenas still take: admission counts it
         self._metrics = metrics
         self._spawn = spawn
         self.devices = Devices(state)

@@ -122,7 +122,8 @@ def test_create_and_export_without_a_cuda_context() -> None:
     out = run_child("""
         import json, time
         from cuda.bindings import driver as cuda
-        from wcd.arenas.cuda import CudaBackend, _nvml
+        from wcd.arenas.cuda import CudaBackend
+        from wcd.arenas.cuda_driver import _nvml
         b = CudaBackend()
         t0 = time.perf_counter()
         a = b.create("cuda:0", b.arena_size(3 << 30, "cuda:0"), "noctx")
@@ -223,7 +224,8 @@ def test_verify_reads_back_and_compares_in_one_pass(backend: Any, uuid: str, che
     from wcd import loader
     from wcd.arenas import cuda
     from wcd.arenas.host import HostArena
-    from wcd.checkpoint import Checkpoint, read_header
+    from wcd.checkpoint import Checkpoint
+    from wcd.headers import read_header
     from wcd.loader import Progress, digest_arena, fill_arena, verify_arena
 
     # 1 MiB pieces: b.big (6 MiB) spans several, the small tensors share tasks.

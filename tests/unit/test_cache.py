@@ -38,6 +38,7 @@ def cache(clock: Clock) -> Cache:
 
 
 MANIFEST = Manifest.build([("w", "F32", (4, 4)), ("b", "F32", (4,))])
+LOADS = (None,)  # whose entries a lookup by key takes here: `admit` below gives none a publisher
 
 
 def key(model: str, **fields: Any) -> WeightCacheKey:
@@ -91,7 +92,7 @@ def test_duplicate_name_is_busy(cache: Cache) -> None:
 
 def test_duplicate_key_is_busy(cache: Cache) -> None:
     admit(cache, "a", 10)
-    with pytest.raises(Busy, match="this key already exists: 'a'"):
+    with pytest.raises(Busy, match="already has an entry with this key: .a."):
         cache.admit("a2", key("a"), MANIFEST, 10, "cached", "load")
     assert set(cache.entries) == {"a"}
 
@@ -505,16 +506,16 @@ def test_find_by_name(cache: Cache) -> None:
 
 def test_find_by_key(cache: Cache) -> None:
     e = admit(cache, "llama", 100, dtype="bf16", shard={"tp_rank": 0})
-    assert cache.find(key("llama", dtype="bf16", shard={"tp_rank": 0})) is e
-    assert cache.by_key(key("llama")) is None
+    assert cache.find(key("llama", dtype="bf16", shard={"tp_rank": 0}), LOADS) is e
+    assert cache.by_key(key("llama"), LOADS) is None
     with pytest.raises(NotFound, match="no entry for model 'qwen'"):
-        cache.find(key("qwen", dtype="bf16"))
+        cache.find(key("qwen", dtype="bf16"), LOADS)
 
 
 def test_find_near_miss_names_the_differing_fields(cache: Cache) -> None:
     admit(cache, "llama", 100, dtype="fp16", transform="t", device="cuda:0")
     with pytest.raises(KeyMismatch) as info:
-        cache.find(key("llama", dtype="bf16"))
+        cache.find(key("llama", dtype="bf16"), LOADS)
     assert info.value.details["fields"] == ["dtype", "transform", "device"]
     assert info.value.details["entry"] == "llama"
 
@@ -523,7 +524,7 @@ def test_find_near_miss_reports_the_nearest_entry(cache: Cache) -> None:
     cache.admit("far", key("m", dtype="fp16", extra={"v": "1"}), MANIFEST, 1, "cached", "load")
     cache.admit("near", key("m", dtype="fp16"), MANIFEST, 1, "cached", "load")
     with pytest.raises(KeyMismatch) as info:
-        cache.find(key("m", dtype="bf16"))
+        cache.find(key("m", dtype="bf16"), LOADS)
     d = info.value.details
     assert d["fields"] == ["dtype"] and d["entry"] == "near"
     assert d["resident"] == {"dtype": "fp16"} and d["requested"] == {"dtype": "bf16"}
@@ -533,7 +534,7 @@ def test_find_near_miss_reports_the_nearest_entry(cache: Cache) -> None:
 def test_find_near_miss_details_are_plain_data(cache: Cache) -> None:
     cache.admit("a", key("m", shard={"tp_rank": 0}), MANIFEST, 1, "cached", "load")
     with pytest.raises(KeyMismatch) as info:
-        cache.find(key("m", shard={"tp_rank": 1}))
+        cache.find(key("m", shard={"tp_rank": 1}), LOADS)
     d = info.value.details
     assert d["fields"] == ["shard"]
     assert d["resident"] == {"shard": {"tp_rank": 0}} and d["requested"] == {"shard": {"tp_rank": 1}}
@@ -613,25 +614,94 @@ def test_a_publishers_disconnect_drops_its_filling_entry_and_the_entrys_leases(c
 
 def test_entries_are_indexed_by_key_and_usage_is_kept(cache: Cache) -> None:
     e = admit(cache, "e", 100, transform="fp8")
-    assert cache.by_key(key("e", transform="fp8")) is e and cache.by_key(key("e")) is None
+    assert cache.by_key(key("e", transform="fp8"), LOADS) is e and cache.by_key(key("e"), LOADS) is None
     assert cache.used("cpu") == 100
     cache.evict(e)
-    assert cache.by_key(key("e", transform="fp8")) is None and cache.used("cpu") == 0
+    assert cache.by_key(key("e", transform="fp8"), LOADS) is None and cache.used("cpu") == 0
 
 
 def test_a_near_miss_compares_a_bounded_sample(cache: Cache) -> None:
     for i in range(40):
         cache.admit(f"m{i}", key("m", transform=f"t{i}"), MANIFEST, 1, "cached", "load")
     with pytest.raises(KeyMismatch) as info:
-        cache.find(key("m", transform="nope"))
+        cache.find(key("m", transform="nope"), LOADS)
     assert info.value.details["fields"] == ["transform"]
 
 
-def test_max_entries_is_a_busy_line(clock: Clock) -> None:
+def test_max_entries_is_a_busy_line_only_when_nothing_can_go(clock: Clock) -> None:
     cache = Cache({"cpu": 1000}, TTL, clock=clock, max_entries=2)
-    admit(cache, "a", 1)
-    admit(cache, "b", 1)
+    admit(cache, "a", 1, retention="pinned")
+    b = admit(cache, "b", 1)
+    cache.acquire(b, owner="reader")
     with pytest.raises(Busy, match="max_entries"):
         cache.admit("c", key("c"), MANIFEST, 1, "cached", "load")
-    cache.evict(cache.entries["a"])
-    admit(cache, "c", 1)
+    cache.drop_owner("reader")
+    _, victims = cache.admit("c", key("c"), MANIFEST, 1, "cached", "load")
+    assert names(victims) == ["b"] and sorted(cache.entries) == ["a", "c"]
+
+
+def test_a_full_daemon_evicts_the_least_recently_used_unleased_entry(clock: Clock) -> None:
+    """Another uid's cached entries, left behind, do not hold max_entries: the oldest goes, of any
+    device and publisher, and not one that is leased, pinned or loading."""
+    cache = Cache({"cpu": 1000, "cuda:0": 1000}, TTL, clock=clock, max_entries=4)
+    old, _, _ = cache.reserve("old", key("p", transform="a", device="cuda:0"), MANIFEST, 1, "cached", "x", uid=1001)
+    cache.commit("x", next(iter(old.leases)))
+    clock.tick()
+    for name in ("newer", "leased"):
+        entry, lease, _ = cache.reserve(name, key("p", transform=name), MANIFEST, 1, "cached", "x", uid=1001)
+        cache.commit("x", lease.id)
+        clock.tick()
+    cache.acquire(cache.entries["leased"], owner="reader")
+    cache.admit("loading", key("l"), MANIFEST, 1, "cached", "load")
+    clock.tick()
+    _, _, victims = cache.reserve("mine", key("p", transform="a"), MANIFEST, 1, "cached", "y", uid=1000)
+    assert names(victims) == ["old"] and "old" not in cache.entries and cache.used("cuda:0") == 0
+    _, _, victims = cache.reserve("mine2", key("p", transform="b"), MANIFEST, 1, "cached", "y", uid=1000)
+    assert names(victims) == ["newer"]
+
+
+def test_entries_per_uid_are_bounded(clock: Clock) -> None:
+    cache = Cache({"cpu": 1000}, TTL, clock=clock, max_entries_per_uid=2)
+    for i in range(2):
+        cache.reserve(f"p{i}", key("p", transform=f"t{i}"), MANIFEST, 1, "cached", "x", uid=1001)
+    with pytest.raises(Busy, match="max_entries_per_uid"):
+        cache.reserve("p2", key("p", transform="t2"), MANIFEST, 1, "cached", "x", uid=1001)
+    cache.reserve("q", key("p", transform="t2"), MANIFEST, 1, "cached", "y", uid=1000)  # another uid's room
+    admit(cache, "loaded", 1)  # the daemon's own loads are not publishes
+    cache.drop_owner("x")  # fill leases end: both entries go, and with them the uid's count
+    cache.reserve("p2", key("p", transform="t2"), MANIFEST, 1, "cached", "x", uid=1001)
+
+
+def test_one_key_from_two_publishers_does_not_collide(cache: Cache) -> None:
+    """Key squatting: uid 1001 publishing 1000's exact key first leaves 1000 free to publish,
+    find and evict its own; a lookup takes the first publisher of the asker's order."""
+    k = key("p", transform="fp8")
+    squat, lease, _ = cache.reserve("squat", k, MANIFEST, 1, "cached", "a", uid=1001)
+    cache.commit("a", lease.id)
+    with pytest.raises(NotFound, match="published by uid 1001"):
+        cache.find(k, (1000, 0))
+    own, lease, _ = cache.reserve("own", k, MANIFEST, 1, "cached", "b", uid=1000)
+    cache.commit("b", lease.id)
+    with pytest.raises(Busy, match="uid 1000 already has an entry with this key"):
+        cache.reserve("again", k, MANIFEST, 1, "cached", "b", uid=1000)
+    assert cache.find(k, (1000, 0)) is own and cache.find(k, (1001, 0)) is squat
+    assert cache.find(k, (0, 1001, 1000)) is squat  # a trusted publisher, asked for before the own uid
+    cache.check_evict(own, 1000, admin=False)
+    assert cache.evict(own) == [own] and cache.find(k, (1001,)) is squat
+
+
+def test_memory_still_mapped_outside_the_cache_counts_against_its_device(cache: Cache, clock: Clock) -> None:
+    """What reclaimed arenas still take (mapped by processes whose leases ended) leaves less room:
+    candidates are evicted for it, and past that the refusal says where the memory is."""
+    outside = {"cpu": 300, "cuda:0": 0}
+    cache.outside = outside.__getitem__
+    admit(cache, "a", 400)
+    clock.tick()
+    _, victims = cache.admit("b", key("b"), MANIFEST, 400, "cached", "load")  # 400 + 300 + 400 > 1000
+    assert names(victims) == ["a"]
+    with pytest.raises(OutOfMemory) as info:
+        cache.admit("c", key("c"), MANIFEST, 301, "cached", "load")
+    assert info.value.details == {"device": "cpu", "need": 301, "budget": 1000, "held": 400, "outside": 300}
+    assert "300 B by processes still mapping entries that are gone" in info.value.message
+    outside["cpu"] = 0  # they dropped their views
+    cache.admit("c", key("c"), MANIFEST, 301, "cached", "load")

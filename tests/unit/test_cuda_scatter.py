@@ -26,7 +26,7 @@ cuda_module = test_staging.cuda_module  # the fixture: wcd.arenas.cuda as it is,
 @pytest.fixture
 def cuda(cuda_module: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     """wcd.arenas.cuda over a FakeDriver."""
-    fake = FakeDriver(cuda_module._SUCCESS, cuda_module._NOT_READY)
+    fake = FakeDriver(cuda_module.SUCCESS, cuda_module.NOT_READY)
     monkeypatch.setattr(cuda_module, "cuda", fake)
     cuda_module.fake = fake
     return cuda_module
@@ -129,7 +129,7 @@ def lane_scatter(cuda: Any, lane_bytes: int, data: bytes, runs: tuple[tuple[int,
     f.write_bytes(data)
     end = max(rel + stride * (count - 1) + width for rel, width, stride, count in runs)
     cuda.fake.cuMemAddressReserve(end + 512)
-    lane = cuda._Lane(lane_bytes, 2)
+    lane = cuda.Lane(lane_bytes, 2)
     fd = os.open(f, os.O_RDONLY)
     try:
         lane.scatter(fd, file_offset, DEVICE_BASE + 256, runs, read_bytes)

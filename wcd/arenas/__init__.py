@@ -12,12 +12,12 @@ import sys
 import threading
 from collections.abc import Iterable
 
-from wcd import DISTRIBUTION
-from wcd.arenas.base import HOST_DEVICE, Arena, ArenaBackend, ArenaWriter, DeviceInfo
+from wcd import DISTRIBUTION, HOST_DEVICE
+from wcd.arenas.base import Arena, ArenaBackend, ArenaWriter, DeviceInfo
 from wcd.errors import BadRequest, DeviceUnavailable
 
 __all__ = ["Arena", "ArenaBackend", "ArenaWriter", "DeviceInfo", "backend_for", "device_memory", "is_gpu_device",
-           "loaded_backends", "start_driver"]
+           "loaded_backends", "released_held", "start_driver"]
 
 _backends: dict[str, ArenaBackend] = {}
 _backends_lock = threading.Lock()
@@ -110,6 +110,13 @@ def _bindings_installed() -> bool:
 def _missing_bindings(device: str) -> str:
     return (f"device {device!r} needs cuda-bindings, which is not installed: install the wcd-cuda "
             f"package, or wcd's cuda extra (pip install '{cuda_requirement()}') in its environment")
+
+
+def released_held(device: str) -> int:
+    """Bytes of `device`'s arenas the daemon closed that other processes still map (0 for a device
+    whose backend was never used)."""
+    backend = _backends.get("cuda" if is_gpu_device(device) else device)
+    return backend.released_held() if backend is not None else 0
 
 
 def loaded_backends() -> list[ArenaBackend]:

@@ -22,8 +22,6 @@ from wcd.errors import NotFound
 if TYPE_CHECKING:  # not at run time: clients import this module, and need no checkpoint code
     from wcd.checkpoint import Run
 
-# The device name of host memory (sealed memfds); GPUs are "cuda:N" or a GPU UUID.
-HOST_DEVICE = "cpu"
 # Guards every arena's count of workers using it: held for a few instructions twice per job.
 _USES = threading.Lock()
 
@@ -248,6 +246,12 @@ class ArenaBackend(ABC):
 
     @abstractmethod
     def info(self, device: str) -> DeviceInfo: ...
+
+    def released_held(self) -> int:
+        """Bytes of arenas this backend closed that other processes still hold (mapped after their
+        leases ended): memory the daemon cannot take back, which admission counts. This default
+        knows of none."""
+        return 0
 
     def total_memory(self, device: str) -> int:
         """The device's memory in bytes (what fractional budgets are of); backends answer faster

@@ -21,9 +21,9 @@ from typing import Any
 from wcd import __version__
 from wcd.cli import Parser, die, quiet_on_closed_pipe
 from wcd.client import Client
-from wcd.config import counted, describe_progress, format_duration, format_size
 from wcd.configfile import RUN_DIR, instance_socket_path, instance_sockets
 from wcd.errors import DaemonUnavailable, PermissionDenied, WcdError
+from wcd.units import counted, describe_progress, format_duration, format_size
 
 PROG = "wcdctl"
 EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_FAILED = 1, 2, 3, 4

@@ -21,7 +21,7 @@ from wcd.client import Client, Lease
 from wcd.errors import KeyMismatch, NotFound, WcdError
 from wcd.integrations import trust
 from wcd.integrations.snapshot import bind, meta_leftovers, publish_snapshot, read_meta, state_before_processing
-from wcd.integrations.vllm import (
+from wcd.integrations.vllm_shared import (
     IncompatibleVllm,
     Options,
     UnsupportedPreprocessed,
