@@ -48,6 +48,7 @@ def _no_control(name: str) -> str:
 
 
 Name = Annotated[str, StringConstraints(min_length=1, max_length=256), AfterValidator(_no_control)]
+LEASES_PER_PAGE = 1000  # a `leases` reply lists at most these; the client asks for the next page
 Retention = Literal["pinned", "cached", "ephemeral"]
 
 
@@ -81,7 +82,11 @@ class ListEntries(_Req):
 
 
 class Leases(_Req):
+    """A page of leases: ids above `after`, at most `limit`."""
+
     op: Literal["leases"]
+    after: Annotated[StrictInt, Field(ge=0)] = 0
+    limit: Annotated[StrictInt, Field(ge=1, le=LEASES_PER_PAGE)] = LEASES_PER_PAGE
 
 
 class _Target(_Req):
