@@ -9,7 +9,8 @@
 #   bash bench/device_run.sh restart   bench_restart: exec -> READY with 0.1 GB / 200 and 1.6 GB / 100k kept,
 #                                      on cuda:0 and on the host
 #   bash bench/device_run.sh admit     bench_admit at 1.6 GB / 1k and 100k tensors, 8 header helpers
-#   bash bench/device_run.sh all       tests, restart, admit, attach and load, each cut shorter (one call)
+#   bash bench/device_run.sh all       tests, restart, admit, attach (1k, 100k) and load (wcd and fastsafetensors),
+#                                      fewer rounds: all in one call
 # Arguments after the run's name go to its benchmarks (`load --variant default,buffered`).
 # What comes back ($OUT): run.log (everything printed), gpu-tests.log, NAME.json per benchmark
 # and load-daemon.log (the default daemon's log at debug level).
@@ -45,16 +46,16 @@ tests() {
   grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu-tests.log" | cut -c1-300
 }
 
-attach() {  # [timeout [counts sizes]]
-  local t=${1:-400} counts=${2:-1000,10000,100000} sizes=${3:-16000,16000,1600}
+attach() {  # [timeout [counts sizes [reps]]]
+  local t=${1:-400} counts=${2:-1000,10000,100000} sizes=${3:-16000,16000,1600} reps=${4:-3}
   timeout -s INT "$t" python3 bench/bench_attach.py --device "$DEV" --dir /tmp --counts "$counts" \
-    --sizes-mb "$sizes" --json "$OUT/attach.json" ${EXTRA[@]+"${EXTRA[@]}"} | tail -8
+    --sizes-mb "$sizes" --reps "$reps" --json "$OUT/attach.json" ${EXTRA[@]+"${EXTRA[@]}"} | grep -v '^{'
 }
 
-load() {  # [timeout [cold rounds]]
-  local t=${1:-500} rounds=${2:-5}
+load() {  # [timeout [cold rounds [warm loaders]]]
+  local t=${1:-500} rounds=${2:-5} loaders=${3:-wcd,$PEERS}
   timeout -s INT "$((t / 2))" python3 bench/bench_load.py --device "$DEV" --dir "$DATA" --ckpt 1.6:1000 \
-    --ckpt 1.6:100000 --reps 2 --loaders "wcd,$PEERS" --json "$OUT/load-warm.json" ${EXTRA[@]+"${EXTRA[@]}"}
+    --ckpt 1.6:100000 --reps 2 --loaders "$loaders" --json "$OUT/load-warm.json" ${EXTRA[@]+"${EXTRA[@]}"}
   timeout -s INT "$((t / 2))" python3 bench/bench_load.py --device "$DEV" --dir "$DATA" --ckpt 1.6:1000 --cold \
     --cold-reps "$rounds" --reps 1 --loaders wcd,fastsafetensors --log-level debug \
     --daemon-log "$OUT/load-daemon.log" --json "$OUT/load-cold.json" ${EXTRA[@]+"${EXTRA[@]}"}
@@ -85,10 +86,10 @@ case "$run" in
   tests|attach|load|restart|admit) wheels; "$run" ;;
   all)
     wheels
-    tests 150
+    tests 120
     restart 80
     admit 60
-    attach 120 1000,100000 16000,1600
-    load 170 3 ;;
+    attach 130 1000,100000 16000,1600 2
+    load 170 3 wcd,fastsafetensors ;;
   *) echo "unknown run $run; one of: wheels tests attach load restart admit all"; exit 2 ;;
 esac

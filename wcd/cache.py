@@ -10,7 +10,9 @@ never touches. Operations that free memory return the entries they dropped; the 
   (a client fills it under a fill lease) -> `ready` -> `evicting` (asked to go while leased;
   dropped when the last lease ends).
 - A lease lives until released, expired (no heartbeat within the TTL) or its owner (the
-  connection) goes away. A fill lease that ends before commit drops its entry at once.
+  connection) goes away. A fill lease that ends before commit drops its entry at once. A uid
+  holds at most `max_leases_per_uid` (the daemon's own holds are not counted), and leases are
+  listed a page at a time (`leases_page`) and expired a batch at a time (`expire`).
 - `ephemeral` entries are dropped when their last read lease ends.
 - A fill lease's TTL starts when its holder is told its id (`handed_out`), not when the arena
   allocation it waits for begins: a large allocation cannot expire it unseen.
@@ -54,6 +56,7 @@ Origin = Literal["config", "load", "publish"]
 
 DEFAULT_MAX_ENTRIES = 4096
 DEFAULT_MAX_ENTRIES_PER_UID = 256
+DEFAULT_MAX_LEASES_PER_UID = 4096
 NEAR_MISS_CANDIDATES = 16  # entries of the same model a key_mismatch compares the key with
 
 
@@ -67,6 +70,7 @@ class Lease:
     uid: int
     expires_at: float
     queued_at: float = math.inf  # the deadline its place in the expiry heap was taken for
+    held_by_daemon: bool = False  # the daemon's own hold (a verify): no heartbeats, no uid's quota
 
 
 @dataclass(eq=False)
@@ -163,12 +167,14 @@ class Failure:
 class Cache:
     def __init__(self, budgets: dict[str, int], lease_ttl_s: float,
                  clock: Callable[[], float] = time.monotonic, max_entries: int = DEFAULT_MAX_ENTRIES,
-                 max_entries_per_uid: int = DEFAULT_MAX_ENTRIES_PER_UID) -> None:
+                 max_entries_per_uid: int = DEFAULT_MAX_ENTRIES_PER_UID,
+                 max_leases_per_uid: int = DEFAULT_MAX_LEASES_PER_UID) -> None:
         self.budgets = dict(budgets)
         self.lease_ttl_s = lease_ttl_s
         self.clock = clock
         self.max_entries = max_entries
         self.max_entries_per_uid = max_entries_per_uid
+        self.max_leases_per_uid = max_leases_per_uid
         # Bytes of a device that entries no longer hold but other processes still map (arenas
         # reclaimed after their leases ended, whose views were kept): the residency sets it.
         self.outside: Callable[[str], int] = lambda device: 0
@@ -183,6 +189,7 @@ class Cache:
         self._by_model: dict[str, dict[str, Entry]] = {}  # model -> entry name -> entry
         self._used: dict[str, int] = dict.fromkeys(self.budgets, 0)
         self._by_owner: dict[Hashable, dict[int, Lease]] = {}
+        self._by_uid: dict[int, dict[int, Lease]] = {}  # peers' leases (not the daemon's holds), in id order
         # (deadline, lease id), one per finite lease; a heartbeat moves the deadline later without
         # touching the heap, and expire() re-queues such leases when their old deadline comes up.
         self._deadlines: list[tuple[float, int]] = []
@@ -204,6 +211,17 @@ class Cache:
 
     def leases_of(self, owner: Hashable) -> int:
         return len(self._by_owner.get(owner, ()))
+
+    def leases_page(self, uid: int | None, after: int, limit: int) -> tuple[list[Lease], int | None]:
+        """Up to `limit` leases with ids above `after`, in id order: every lease (`uid` None), or
+        the peer leases of `uid`. Returns them and the cursor for the next page (None at the end).
+        Ids grow, so the dicts hold leases in id order; skipping to the cursor costs a C-level
+        step per lease before it, nothing per lease after the page."""
+        held = self.leases if uid is None else self._by_uid.get(uid, {})
+        page = list(itertools.islice(itertools.dropwhile(after.__ge__, held), limit + 1))
+        more = len(page) > limit
+        del page[limit:]
+        return [held[i] for i in page], (page[-1] if more else None)
 
     def find(self, target: str | WeightCacheKey, publishers: Sequence[int | None] = ()) -> Entry:
         """The entry named `target`, or whose key equals it from the first of `publishers` (whom the
@@ -399,19 +417,22 @@ class Cache:
     # -- leases -----------------------------------------------------------------------------
 
     def acquire(self, entry: Entry, owner: Hashable, pid: int = 0, uid: int = 0, ttl_s: float | None = None) -> Lease:
-        """A read lease; `ttl_s` overrides the heartbeat TTL (the daemon's own holds use infinity)."""
+        """A read lease; `ttl_s` makes it the daemon's own hold, with that TTL (infinity: no
+        heartbeats) and counted against no uid's max_leases_per_uid."""
         if entry.state != "ready":
             raise Busy(f"entry {entry.name!r} is {entry.state}", {"name": entry.name, "state": entry.state})
+        lease = self._new_lease(entry, "read", owner, pid, uid, ttl_s)
         entry.acquires += 1
-        return self._new_lease(entry, "read", owner, pid, uid, ttl_s)
+        return lease
 
     def reserve(
         self, name: str, key: WeightCacheKey, manifest: Manifest, nbytes: int, retention: Retention,
         owner: Hashable, pid: int = 0, uid: int = 0,
     ) -> tuple[Entry, Lease, list[Entry]]:
         """Admit a published entry with a fill lease whose TTL starts at `handed_out`."""
+        self._lease_room(uid)
         entry, victims = self.admit(name, key, manifest, nbytes, retention, "publish", publisher=uid)
-        return entry, self._new_lease(entry, "fill", owner, pid, uid, math.inf), victims
+        return entry, self._new_lease(entry, "fill", owner, pid, uid, held_until=math.inf), victims
 
     def handed_out(self, lease: Lease) -> None:
         """Its holder is being told the lease's id: the heartbeat TTL runs from now."""
@@ -419,15 +440,28 @@ class Cache:
         self._queue(lease)
 
     def _new_lease(self, entry: Entry, kind: LeaseKind, owner: Hashable, pid: int, uid: int,
-                   ttl_s: float | None = None) -> Lease:
+                   ttl_s: float | None = None, held_until: float | None = None) -> Lease:
+        """A peer's lease (its TTL the heartbeat's, or `held_until` for a fill lease until it is
+        handed out), or with `ttl_s` the daemon's own hold."""
+        if ttl_s is None:
+            self._lease_room(uid)
         now = self.clock()
-        lease = Lease(next(self._ids), entry, kind, owner, pid, uid, now + (ttl_s or self.lease_ttl_s))
+        expires = held_until if held_until is not None else now + (ttl_s or self.lease_ttl_s)
+        lease = Lease(next(self._ids), entry, kind, owner, pid, uid, expires, held_by_daemon=ttl_s is not None)
         entry.leases[lease.id] = lease
         entry.last_used = now
         self.leases[lease.id] = lease
         self._by_owner.setdefault(owner, {})[lease.id] = lease
+        if not lease.held_by_daemon:
+            self._by_uid.setdefault(uid, {})[lease.id] = lease
         self._queue(lease)
         return lease
+
+    def _lease_room(self, uid: int) -> None:
+        held = len(self._by_uid.get(uid, ()))
+        if held >= self.max_leases_per_uid:
+            raise Busy(f"uid {uid} holds {held} leases, the daemon's max_leases_per_uid: release leases it does "
+                       "not use (or close the connections holding them)", {"limit": "max_leases_per_uid"})
 
     def _queue(self, lease: Lease) -> None:
         if math.isfinite(lease.expires_at):  # the daemon's own holds never expire
@@ -442,6 +476,11 @@ class Cache:
         del owned[lease.id]
         if not owned:
             del self._by_owner[lease.owner]
+        if not lease.held_by_daemon:
+            of_uid = self._by_uid[lease.uid]
+            del of_uid[lease.id]
+            if not of_uid:
+                del self._by_uid[lease.uid]
 
     def _owned(self, owner: Hashable, lease_id: int) -> Lease:
         lease = self.leases.get(lease_id)
@@ -504,12 +543,14 @@ class Cache:
             return [self._drop(entry)]
         return []
 
-    def expire(self) -> tuple[list[Lease], list[Entry]]:
-        """End every lease past its deadline. Returns (expired leases, dropped entries)."""
+    def expire(self, limit: int | None = None) -> tuple[list[Lease], list[Entry]]:
+        """End leases past their deadline, at most `limit` of them (the caller lets others run
+        between batches and asks again while a batch comes back full). Returns (expired leases,
+        dropped entries)."""
         now = self.clock()
         expired: list[Lease] = []
         dropped: list[Entry] = []
-        while (lease := self._due(now)) is not None:
+        while (limit is None or len(expired) < limit) and (lease := self._due(now)) is not None:
             if lease.expires_at > now:  # renewed since it was queued
                 self._queue(lease)
                 continue
@@ -542,6 +583,19 @@ class Cache:
             if lease.id in self.leases:  # a fill lease's end drops its entry's other leases
                 dropped += self._end(lease)
         return dropped
+
+
+def describe_expired(expired: list[Lease], named: int = 3) -> str:
+    """One log line for leases that expired together: how many, and on which entries (by count)."""
+    if len(expired) == 1:
+        lease = expired[0]
+        return f"lease {lease.id} on {lease.entry.name} (pid {lease.pid}, uid {lease.uid}) expired: no heartbeat"
+    per_entry = Counter(lease.entry.name for lease in expired)
+    most = ", ".join(f"{n} on {name}" for name, n in per_entry.most_common(named))
+    rest = f" and {len(per_entry) - named} more entries" if len(per_entry) > named else ""
+    uids = sorted({lease.uid for lease in expired})
+    return (f"{len(expired)} leases expired, no heartbeat: {most}{rest} (uids {', '.join(map(str, uids[:8]))}"
+            f"{', ...' if len(uids) > 8 else ''})")
 
 
 def _plain(v: Any) -> Any:

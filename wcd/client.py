@@ -434,7 +434,14 @@ class Client:
         return self.request("list")["entries"]
 
     def list_leases(self) -> builtins.list[dict[str, Any]]:
-        return self.request("leases")["leases"]
+        """Every lease the daemon shows this peer (admins: all), asked a page at a time."""
+        leases, after = [], 0
+        while True:
+            page = self.request("leases", after=after)
+            leases += page["leases"]
+            if page.get("next") is None:
+                return leases
+            after = page["next"]
 
     def metrics(self) -> str:
         return str(self.request("metrics")["text"])

@@ -122,6 +122,8 @@ class DaemonConfig(BaseModel):
     max_entries: Annotated[int, Field(ge=1, le=1 << 20)] = 4096
     # Entries one uid may publish (a full daemon evicts its least recently used unleased entry).
     max_entries_per_uid: Annotated[int, Field(ge=1, le=1 << 20)] = 256
+    # Leases one uid holds (read and fill, over all its connections).
+    max_leases_per_uid: Annotated[int, Field(ge=1, le=1 << 20)] = 4096
 
     @field_validator("budget")
     @classmethod

@@ -128,14 +128,16 @@ def _described(cache: Cache) -> list[dict[str, Any]]:
 
 
 def leases(ctx: Context, conn: Connection, req: protocol.Leases) -> None:
-    """Every lease for admins; a peer's own (by uid) for the others: pids and uids are not theirs to see."""
+    """A page of leases (ids above `after`): every lease for admins; a peer's own (by uid) for the
+    others, from the cache's index of them: pids and uids are not theirs to see. `next` is the
+    cursor of the next page, None after the last."""
     cache = ctx.state.cache
     now = cache.clock()
-    everyone = ctx.is_admin(conn)
-    conn.send(protocol.ok(req.id, leases=[
+    page, cursor = cache.leases_page(None if ctx.is_admin(conn) else conn.uid, req.after, req.limit)
+    conn.send(protocol.ok(req.id, next=cursor, leases=[
         {"id": lease.id, "entry": lease.entry.name, "kind": lease.kind, "pid": lease.pid, "uid": lease.uid,
          "expires_in_s": round(lease.expires_at - now, 3) if math.isfinite(lease.expires_at) else None}
-        for lease in cache.leases.values() if everyone or lease.uid == conn.uid]))
+        for lease in page]))
 
 
 def heartbeat(ctx: Context, conn: Connection, req: protocol.Heartbeat) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -24,7 +25,7 @@ from pydantic import (
 
 from wcd.errors import BadRequest
 from wcd.key import WeightCacheKey
-from wcd.manifest import MAX_NAME_LEN, MAX_NDIM, MAX_TENSORS
+from wcd.manifest import MAX_NAME_LEN, MAX_NDIM, MAX_TENSORS, has_control
 from wcd.wire import (  # noqa: F401 - the daemon's one import for the protocol
     MAX_FDS_PER_FRAME,
     MAX_FRAME_BYTES,
@@ -38,7 +39,16 @@ from wcd.wire import (  # noqa: F401 - the daemon's one import for the protocol
     ok,
 )
 
-Name = Annotated[str, StringConstraints(min_length=1, max_length=256)]
+
+def _no_control(name: str) -> str:
+    """Entry names hold no control characters: they would forge log lines, and clients refuse them."""
+    if has_control(name):
+        raise ValueError("control characters are not allowed in entry names")
+    return name
+
+
+Name = Annotated[str, StringConstraints(min_length=1, max_length=256), AfterValidator(_no_control)]
+LEASES_PER_PAGE = 1000  # a `leases` reply lists at most these; the client asks for the next page
 Retention = Literal["pinned", "cached", "ephemeral"]
 
 
@@ -72,7 +82,11 @@ class ListEntries(_Req):
 
 
 class Leases(_Req):
+    """A page of leases: ids above `after`, at most `limit`."""
+
     op: Literal["leases"]
+    after: Annotated[StrictInt, Field(ge=0)] = 0
+    limit: Annotated[StrictInt, Field(ge=1, le=LEASES_PER_PAGE)] = LEASES_PER_PAGE
 
 
 class _Target(_Req):

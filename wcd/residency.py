@@ -29,7 +29,7 @@ from typing import Any
 
 from wcd import adoption, parking
 from wcd.arenas import Arena, ArenaBackend, backend_for, loaded_backends, released_held
-from wcd.cache import Entry, Lease, Origin, Retention
+from wcd.cache import Entry, Lease, Origin, Retention, describe_expired
 from wcd.checkpoint import Checkpoint, Shards
 from wcd.config import ModelConfig
 from wcd.devices import Devices
@@ -55,6 +55,7 @@ Spawn = Callable[[Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]
 # How long shutdown waits for the driver to let go of arenas and lingering GPU staging: a hung
 # driver must not hold it until systemd's stop timeout; what is left goes with the process.
 RELEASE_WAIT_S = 5.0
+EXPIRY_BATCH = 1024  # leases the expiry task ends before it lets the loop answer others
 
 
 class Residency:
@@ -368,10 +369,14 @@ class Residency:
         tick = min(1.0, self.state.config.daemon.lease_ttl_s / 10)
         while True:
             await asyncio.sleep(tick)
-            expired, dropped = self.cache.expire()
-            for lease in expired:
-                log.info("lease %d on %s (pid %d) expired: no heartbeat", lease.id, lease.entry.name, lease.pid)
-            self.reclaim(dropped)
+            while True:  # in batches, letting the loop answer others in between; one log line each
+                expired, dropped = self.cache.expire(EXPIRY_BATCH)
+                if expired:
+                    log.info("%s", describe_expired(expired))
+                self.reclaim(dropped)
+                if len(expired) < EXPIRY_BATCH:
+                    break
+                await asyncio.sleep(0)
 
     async def _drop_loading(self, entry: Entry, failed_check: bool = False) -> bool:
         """Drop an entry whose load, or whose check after re-adoption, ended without making it

@@ -92,7 +92,8 @@ class Server:
         budgets, devices = device_budgets(config, self.config_path or "")
         counted = time.monotonic()
         cache = Cache(budgets, config.daemon.lease_ttl_s, max_entries=config.daemon.max_entries,
-                      max_entries_per_uid=config.daemon.max_entries_per_uid)
+                      max_entries_per_uid=config.daemon.max_entries_per_uid,
+                      max_leases_per_uid=config.daemon.max_leases_per_uid)
         self.state = ServerState(config, self.instance, cache, devices, self.started_at)
         self.state.where = self._where
         self.quotas = Quotas(self._limits(config), held_elsewhere=lambda: len(cache.entries))
@@ -204,6 +205,7 @@ class Server:
         cache.lease_ttl_s = new.daemon.lease_ttl_s
         cache.max_entries = new.daemon.max_entries
         cache.max_entries_per_uid = new.daemon.max_entries_per_uid
+        cache.max_leases_per_uid = new.daemon.max_leases_per_uid
         self.quotas.limits = self._limits(new)
         for model in fresh.values():
             if model.name not in cache.entries:

@@ -21,6 +21,7 @@ from tests.integration.pings import assert_fast, pinging
 from tests.integration.test_hardening_trust import memfds, wait_until
 from wcd.client import Client
 from wcd.errors import BadReply, BadRequest, OutOfMemory
+from wcd.integrations.transformers import _find_entry
 from wcd.key import WeightCacheKey
 from wcd.manifest import TENSOR_COLUMNS, Manifest
 
@@ -142,6 +143,20 @@ def test_reserves_of_unaddressable_shapes_are_refused(make_daemon):
     assert "Traceback" not in d.log.read_text()
 
 
+@pytest.mark.slow
+def test_entry_names_with_control_characters_are_refused(make_daemon, checkpoint):
+    """An admin's `load` named with an escape sequence or a newline made an entry every `list`,
+    log line and client then carried (and that clients now refuse to attach)."""
+    path, _ = checkpoint
+    d = make_daemon()
+    with d.client() as c, pinging(d) as pings:
+        for name in ("m\x1b[2J", "m\nERROR forged line"):
+            with pytest.raises(BadRequest, match="control characters are not allowed in entry names"):
+                c.load(name, path)
+        assert c.list() == []
+    assert_fast(pings)
+
+
 GOOD_REPLY: dict[str, Any] = {
     "lease": 1, "kind": "read", "entry": "m#0", "key": WeightCacheKey(model="m", transform="test").model_dump(),
     "origin": "publish", "publisher_uid": 0, "manifest": manifest((16,)), "ttl_s": 30.0,
@@ -212,3 +227,14 @@ def test_memory_mapped_after_release_counts_against_the_budget(make_daemon):
         wait_until(lambda: host_memory(c)["mapped_after_release"] == 0)
         c.publish(key, weights)
     assert_fast(pings)
+
+
+def test_the_transformers_integration_passes_over_a_crafted_entry(tmp_path: Path) -> None:
+    """`from_pretrained(fallback=True)` loads from disk when the entry's reply cannot be mapped: its
+    lookup passes over it (one warning) instead of raising."""
+    impostor = Impostor(tmp_path / "impostor.sock", {**GOOD_REPLY, **CRAFTED["manifest: 2**96 elements"]})
+    try:
+        with Client(tmp_path / "impostor.sock", heartbeats=False) as c:
+            assert _find_entry(c, tmp_path, "fingerprint", "m#0", load=False, timeout_s=5) is None
+    finally:
+        impostor.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import textwrap
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -103,3 +104,67 @@ def test_a_reserve_in_v1_rows_is_refused_before_it_is_parsed(make_daemon):
     print(f"refused in {took * 1000:.1f} ms")
     with d.client() as c:
         c.ping()
+
+
+# -- 8: leases ------------------------------------------------------------------------------------------
+
+
+def acquire_many(peer: Raw, target: str, n: int) -> list[dict[str, Any]]:
+    """`n` acquires of `target`, pipelined 64 at a time (a connection's requests in flight); the replies."""
+    replies: list[dict[str, Any]] = []
+    while len(replies) < n:
+        batch = min(64, n - len(replies))
+        peer.send(b"".join(peer.frame({"op": "acquire", "name": target}) for _ in range(batch)))
+        replies += [peer.recv() for _ in range(batch)]
+    return replies
+
+
+def published(d: Any, name: str = "p") -> str:
+    with d.client() as c:
+        return c.publish(WeightCacheKey(model=name, transform="t"), {"w": torch.ones(4)}, retention="pinned")
+
+
+def test_a_uids_leases_are_bounded_and_listed_in_pages(make_daemon):
+    """One uid pipelines acquires past max_leases_per_uid: the rest are refused busy in one line, and
+    `leases` answers in pages (the client follows the cursor) rather than one reply of everything."""
+    d = make_daemon("max_leases_per_uid = 1500\n")
+    entry = published(d)
+    peer = Raw(d.socket)
+    with pinging(d) as pings:
+        replies = acquire_many(peer, entry, 1600)
+    assert_fast(pings)
+    refused = [r["error"] for r in replies if not r["ok"]]
+    assert sum(r["ok"] for r in replies) == 1500 and len(refused) == 100
+    assert {e["code"] for e in refused} == {"busy"} and "max_leases_per_uid" in refused[0]["message"]
+    first = peer.call({"op": "leases"})
+    assert len(first["leases"]) == 1000 and first["next"] == first["leases"][-1]["id"]
+    with d.client() as c:
+        listed = c.list_leases()
+    assert sorted(lease["id"] for lease in listed) == sorted(r["lease"] for r in replies if r["ok"])
+
+
+@pytest.mark.slow
+def test_leases_expiring_at_once_are_ended_in_batches_with_one_log_line_each(make_daemon):
+    """20,000 leases renewed in one go, then left to expire together: the loop ends them a batch at a
+    time (pings stay fast) and the log says so in a line per batch, not a line per lease."""
+    n = 20_000
+    d = make_daemon(f"lease_ttl_s = 3.0\nmax_leases_per_uid = {n}\n")
+    entry = published(d)
+    peer = Raw(d.socket)
+    ids = []
+    for _ in range(0, n, 2000):  # renewed as they are made: building them takes longer than the TTL
+        ids += [r["lease"] for r in acquire_many(peer, entry, 2000)]
+        peer.send(b"".join(peer.frame({"op": "heartbeat", "leases": ids[i:i + 4096]})
+                           for i in range(0, len(ids), 4096)))
+        for _ in range(0, len(ids), 4096):
+            assert peer.recv()["ok"]
+    lines_before = d.log.read_text().count("expired")
+    with pinging(d, tail_s=0.5) as pings:
+        deadline = time.monotonic() + 30
+        while peer.call({"op": "leases", "limit": 1})["leases"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+    assert_fast(pings)
+    with d.client() as c:
+        assert c.list_leases() == [] and c.status()["counters"]["lease_expiries"] == n
+    lines = d.log.read_text().count("expired") - lines_before
+    assert 0 < lines <= n // 1024 + 3, f"{lines} log lines for {n} expiries"

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
 import pytest
 
-from wcd.cache import Cache, Entry
+from wcd.cache import Cache, Entry, Lease, describe_expired
 from wcd.errors import BadRequest, Busy, KeyMismatch, LeaseExpired, NotFound, OutOfMemory, PermissionDenied
 from wcd.key import WeightCacheKey
 from wcd.manifest import Manifest
@@ -688,6 +689,61 @@ def test_one_key_from_two_publishers_does_not_collide(cache: Cache) -> None:
     assert cache.find(k, (0, 1001, 1000)) is squat  # a trusted publisher, asked for before the own uid
     cache.check_evict(own, 1000, admin=False)
     assert cache.evict(own) == [own] and cache.find(k, (1001,)) is squat
+
+
+# -- leases: bounded per uid, listed in pages, expired in batches ---------------------------------
+
+
+def test_leases_per_uid_are_bounded_and_the_daemons_holds_are_not_counted(clock: Clock) -> None:
+    cache = Cache({"cpu": 1000}, TTL, clock=clock, max_leases_per_uid=3)
+    e = admit(cache, "e", 1)
+    for owner in ("a", "a", "b"):  # over two connections of one uid
+        cache.acquire(e, owner, uid=1001)
+    with pytest.raises(Busy, match="uid 1001 holds 3 leases, the daemon's max_leases_per_uid"):
+        cache.acquire(e, "c", uid=1001)
+    with pytest.raises(Busy, match="max_leases_per_uid"):
+        cache.reserve("p", key("p", transform="t"), MANIFEST, 1, "cached", "c", uid=1001)
+    assert "p" not in cache.entries and e.acquires == 3
+    cache.acquire(e, "d", uid=1002)
+    cache.acquire(e, object(), uid=1001, ttl_s=math.inf)  # the daemon's own hold, e.g. a verify
+    cache.drop_owner("b")
+    cache.acquire(e, "c", uid=1001)
+
+
+def test_leases_are_listed_a_page_at_a_time(cache: Cache) -> None:
+    e = admit(cache, "e", 1)
+    mine = [cache.acquire(e, "a", uid=1001).id if i % 2 else cache.acquire(e, "b", uid=1002).id for i in range(7)]
+    everyone = sorted(cache.leases)
+    seen, after = [], 0
+    while True:
+        page, after = cache.leases_page(None, after, 3)  # type: ignore[assignment]
+        seen += [lease.id for lease in page]
+        if after is None:
+            break
+    assert seen == everyone
+    page, cursor = cache.leases_page(1001, 0, 2)
+    assert [lease.id for lease in page] == [i for i in mine if cache.leases[i].uid == 1001][:2]
+    rest, end = cache.leases_page(1001, cursor, 10)  # type: ignore[arg-type]
+    assert {lease.uid for lease in page + rest} == {1001} and end is None and len(page + rest) == 3
+    assert cache.leases_page(4242, 0, 10) == ([], None)
+
+
+def test_leases_expire_in_batches_and_are_told_in_one_line(cache: Cache, clock: Clock) -> None:
+    a, b = admit(cache, "a", 1), admit(cache, "b", 1)
+    for i in range(10):
+        cache.acquire(a if i < 7 else b, f"c{i}", pid=100 + i, uid=1001)
+    clock.tick(TTL + 1)
+    batches = []
+    while True:
+        expired, _ = cache.expire(4)
+        batches.append(len(expired))
+        if len(expired) < 4:
+            break
+    assert batches == [4, 4, 2] and not cache.leases and cache.stats["lease_expiries"] == 10
+    one = Lease(1, a, "read", "x", 7, 1001, 0.0)
+    assert describe_expired([one]) == "lease 1 on a (pid 7, uid 1001) expired: no heartbeat"
+    many = [Lease(i, a if i < 7 else b, "read", "x", i, 1001 + i % 2, 0.0) for i in range(10)]
+    assert describe_expired(many) == "10 leases expired, no heartbeat: 7 on a, 3 on b (uids 1001, 1002)"
 
 
 def test_memory_still_mapped_outside_the_cache_counts_against_its_device(cache: Cache, clock: Clock) -> None:

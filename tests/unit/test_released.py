@@ -7,7 +7,9 @@ import mmap
 import os
 import time
 
-from wcd.arenas.host import RELEASED, HostArena
+import pytest
+
+from wcd.arenas.host import RELEASED, HostArena, _inotify
 
 SIZE = 1 << 20
 
@@ -46,4 +48,17 @@ def test_a_description_reopened_through_proc_counts_too() -> None:
     arena.close()
     assert RELEASED.held() == before + SIZE
     os.close(reopened)
+    assert held_becomes(before)
+
+
+def test_lost_events_are_made_up_from_the_live_watches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the inotify queue's length events are dropped (IN_Q_OVERFLOW): the count then comes
+    from the watches the kernel still has, which a gone memfd no longer is among."""
+    before = RELEASED.held()
+    arena = HostArena(SIZE, "lost")
+    kept = mmap.mmap(arena.fd(), SIZE, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+    arena.close()
+    monkeypatch.setattr(_inotify, "ignored", lambda fd: ([], True))  # every event lost
+    assert RELEASED.held() == before + SIZE
+    kept.close()
     assert held_becomes(before)
