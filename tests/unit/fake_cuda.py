@@ -1,7 +1,7 @@
 """A fake of the part of cuda-bindings' driver API that a `CudaWriter` uses, without torch: device
 memory is a bytearray, and copies are queued per stream and run only when an event or the stream
 is synchronised (as a GPU would run them later), so a staging buffer reused too early shows up as
-wrong bytes. Used by test_cuda_scatter.py and bench/cuda_calls.py."""
+wrong bytes. Used by test_cuda_scatter.py, test_staging.py and test_backend_for.py."""
 
 from __future__ import annotations
 
