@@ -92,6 +92,8 @@ class Entry:
     # copy kept across a restart); set by `wcd.residency`, shown in status and metrics.
     load_phase: str = ""
     reading_since: float | None = None  # time.monotonic() when the reading began: rate and time left
+    evicted_why: str = ""  # evicted while leased or loading: by whom (said when it goes)
+    previous: str = ""  # when and why the last entry of this name went, if one did (`note_reclaimed`)
     acquires: int = 0
     notes: list[str] = field(default_factory=list)  # shown in status, e.g. "checkpoint missing"
     publisher: int | None = None  # uid whose bytes these are: the daemon's for its loads
@@ -127,6 +129,7 @@ class Entry:
             "last_used": datetime.fromtimestamp(time.time() - idle_s, timezone.utc).isoformat(timespec="seconds"),
             "idle_s": round(idle_s, 3),
             "key": self.key.model_dump(),
+            "previous": self.previous,
         }
 
     def _progress(self) -> dict[str, Any]:
@@ -183,6 +186,7 @@ class Cache:
         self._ids = itertools.count(1)
         self.stats = {"lease_expiries": 0, "evictions": 0, "load_failures": 0}
         self.failures: dict[str, Failure] = {}  # by name, oldest first
+        self._reclaimed: dict[str, str] = {}  # name -> when and why its last entry went, oldest first
         # Indexes over `entries` and `leases`, kept by the methods below (nothing else mutates them):
         self._by_key: dict[WeightCacheKey, dict[int | None, Entry]] = {}  # key -> publisher uid -> entry
         self._published: Counter[int | None] = Counter()  # published entries per publisher uid
@@ -289,6 +293,7 @@ class Cache:
         state: State = "filling" if origin == "publish" and not adopted else "loading"
         entry = Entry(name, key, manifest, nbytes, retention, origin, state, now, now, publisher=publisher)
         self.failures.pop(name, None)  # tried again
+        entry.previous = self._reclaimed.pop(name, "")
         self.entries[name] = entry
         self._by_key.setdefault(key, {})[publisher] = entry
         if origin == "publish":
@@ -403,6 +408,15 @@ class Cache:
         failure = self.failures[name] = Failure(name, reason, time.time(), origin, device, path)
         self.stats["load_failures"] += 1
         return failure
+
+    def note_reclaimed(self, name: str, why: str) -> None:
+        """Remember why the entry `name` went, for the next entry of that name (`Entry.previous`:
+        why a model was loaded again). At most `max_entries` names are remembered."""
+        self._reclaimed.pop(name, None)
+        while len(self._reclaimed) >= self.max_entries:
+            del self._reclaimed[next(iter(self._reclaimed))]
+        when = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        self._reclaimed[name] = f"{when}: {why}"
 
     def forget_failure(self, name: str) -> Failure | None:
         """Drop the failure noted under `name` (evicted by an operator, or its model left the config)."""

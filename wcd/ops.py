@@ -33,7 +33,7 @@ from wcd.key import HOST_DEVICE, WeightCacheKey
 from wcd.manifest import Manifest
 from wcd.metrics import Metrics
 from wcd.peers import peer_gids
-from wcd.residency import Residency
+from wcd.residency import Residency, ended
 from wcd.state import ServerState
 from wcd.units import format_size
 
@@ -145,12 +145,13 @@ def heartbeat(ctx: Context, conn: Connection, req: protocol.Heartbeat) -> None:
 
 
 def release(ctx: Context, conn: Connection, req: protocol.Release) -> None:
-    ctx.residency.reclaim(ctx.state.cache.release(conn, req.lease))
+    for entry in ctx.state.cache.release(conn, req.lease):
+        ctx.residency.reclaim([entry], ended(entry, f"its last lease was released (pid {conn.pid}, uid {conn.uid})"))
     conn.send(protocol.ok(req.id))
 
 
 def abort(ctx: Context, conn: Connection, req: protocol.Abort) -> None:
-    ctx.residency.reclaim(ctx.state.cache.abort(conn, req.lease))
+    ctx.residency.reclaim(ctx.state.cache.abort(conn, req.lease), f"its publish was aborted by uid {conn.uid}")
     conn.send(protocol.ok(req.id))
 
 
@@ -166,7 +167,7 @@ def evict(ctx: Context, conn: Connection, req: protocol.Evict) -> None:
         return
     entry = ctx.state.cache.find(ctx.residency.resolve(target), ctx.publishers(conn))
     ctx.state.cache.check_evict(entry, conn.uid, ctx.is_admin(conn))
-    dropped = ctx.residency.evict(entry)
+    dropped = ctx.residency.evict(entry, f"evicted by uid {conn.uid} (pid {conn.pid})")
     conn.send(protocol.ok(req.id, entry=entry.name, state="evicted" if dropped else entry.state,
                           leases=len(entry.leases)))
 
