@@ -92,8 +92,8 @@ class DaemonConfig(BaseModel):
     # before the answer: engines could not create a context.
     staging_linger_s: Annotated[float, Field(ge=0)] = 30.0
     # How a GPU load reads files that are not in the page cache: "direct" (O_DIRECT in 512 KiB
-    # reads into pinned buffers, except the parts the page cache holds: 5-15% faster than
-    # buffered on the H200 machines measured; buffered where the file system refuses it, said
+    # reads into pinned buffers, except the parts the page cache holds: faster than buffered on
+    # the GPU hosts measured, bench/RESULTS.md; buffered where the file system refuses it, said
     # once per file system) or "buffered" (through the page cache in 16 MiB reads, read ahead
     # while the load's CUDA context is made, then dropped for files that were not in it at all).
     cold_reads: Literal["buffered", "direct"] = "direct"
