@@ -28,6 +28,7 @@ from wcd import HOST_DEVICE
 from wcd.configfile import CONFIG_DIR, RUN_DIR, instance_config_path, read_toml
 from wcd.errors import ConfigError
 from wcd.units import parse_size
+from wcd.wire import Retention
 
 __all__ = ["CONFIG_DIR", "RUN_DIR", "Config", "ModelConfig", "instance_config_path", "load_config"]
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
@@ -172,7 +173,7 @@ class ModelConfig(BaseModel):
     name: Annotated[str, Field(pattern=_NAME)]
     path: Path
     device: str = HOST_DEVICE
-    retention: Literal["pinned", "cached", "ephemeral"] = "pinned"
+    retention: Retention = "pinned"
     # Shards that are symbolic links are followed only while they stay inside `path` (openat2
     # RESOLVE_BENEATH); true follows them anywhere (a Hugging Face cache's snapshots/ -> blobs/).
     follow_symlinks: bool = False
