@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import pytest
 
-from wcd.cache import Cache, Entry, Lease, describe_expired
+from wcd.cache import Cache, Entry, LeaseRecord, describe_expired
 from wcd.errors import BadRequest, Busy, KeyMismatch, LeaseExpired, NotFound, OutOfMemory, PermissionDenied
 from wcd.key import WeightCacheKey
 from wcd.manifest import Manifest
@@ -549,8 +550,38 @@ def test_describe(cache: Cache, clock: Clock) -> None:
                               "acquires")} == {
         "name": "e", "state": "ready", "bytes": 300, "device": "cpu", "leases": 1, "retention": "pinned",
         "origin": "load", "tensors": 2, "acquires": 1}
-    assert d["progress"] == {"done": 0, "total": MANIFEST.nbytes}
+    assert d["progress"] == {"done": 0, "total": MANIFEST.nbytes, "phase": ""}
     assert d["key"]["model"] == "e"
+
+
+def test_progress_while_reading_has_rate_and_time_left(cache: Cache) -> None:
+    e = admit(cache, "e", 300, ready=False)
+    e.load_phase, e.reading_since, e.done_bytes = "reading", time.monotonic() - 2.0, MANIFEST.nbytes // 4
+    p = e.describe()["progress"]
+    assert p["phase"] == "reading" and p["done"] == MANIFEST.nbytes // 4
+    assert p["rate"] == pytest.approx(MANIFEST.nbytes / 8, rel=0.2)
+    assert p["eta_s"] == pytest.approx(6.0, rel=0.2)
+
+
+def test_a_failed_load_is_kept_until_the_name_is_admitted_again(cache: Cache) -> None:
+    cache.fail("t", "t.safetensors is truncated", "config", "cpu", "/m/t.safetensors")
+    d = cache.failures["t"].describe()
+    assert d["state"] == "failed" and d["reason"] == "t.safetensors is truncated" and d["bytes"] == 0
+    assert d["failed_at"].endswith("+00:00") and cache.stats["load_failures"] == 1
+    with pytest.raises(NotFound, match="'t' failed to load at .*: t.safetensors is truncated") as info:
+        cache.find("t")
+    assert info.value.details["state"] == "failed"
+    admit(cache, "t", 100)
+    assert "t" not in cache.failures and cache.find("t").state == "ready"
+    cache.fail("u", "gone", "load", "cpu", "/u")
+    assert cache.forget_failure("u") is not None and not cache.failures
+
+
+def test_failures_are_bounded_by_max_entries(clock: Clock) -> None:
+    cache = Cache({"cpu": 1000}, TTL, clock=clock, max_entries=3)
+    for i in range(5):
+        cache.fail(f"m{i}", "bad", "load", "cpu", "/x")
+    assert list(cache.failures) == ["m2", "m3", "m4"]  # the oldest go first
 
 
 # -- indexes: what a peer can make the daemon do stays proportional to its own share ---------------
@@ -709,9 +740,9 @@ def test_leases_expire_in_batches_and_are_told_in_one_line(cache: Cache, clock: 
         if len(expired) < 4:
             break
     assert batches == [4, 4, 2] and not cache.leases and cache.stats["lease_expiries"] == 10
-    one = Lease(1, a, "read", "x", 7, 1001, 0.0)
+    one = LeaseRecord(1, a, "read", "x", 7, 1001, 0.0)
     assert describe_expired([one]) == "lease 1 on a (pid 7, uid 1001) expired: no heartbeat"
-    many = [Lease(i, a if i < 7 else b, "read", "x", i, 1001 + i % 2, 0.0) for i in range(10)]
+    many = [LeaseRecord(i, a if i < 7 else b, "read", "x", i, 1001 + i % 2, 0.0) for i in range(10)]
     assert describe_expired(many) == "10 leases expired, no heartbeat: 7 on a, 3 on b (uids 1001, 1002)"
 
 
