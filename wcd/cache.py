@@ -24,6 +24,9 @@ never touches. Operations that free memory return the entries they dropped; the 
 - At most `max_entries` entries (each holds a descriptor, whatever its size): a new one evicts the
   least recently used unleased entry when the daemon is full. A uid publishes at most
   `max_entries_per_uid` of them.
+- A load that ends without an entry leaves a `Failure` under its name (shown as state `failed`,
+  with its reason and when) until the name is admitted again, a reload drops it, or it is evicted.
+  Failures hold no memory; at most `max_entries` of them are kept, the oldest going first.
 
 Every lookup a peer can trigger is indexed (entries by key and model, leases by owner and by
 deadline), so no request and no disconnect costs time in proportion to the whole cache.
@@ -85,6 +88,10 @@ class Entry:
     arena: Any = None  # opaque to the cache: the arena residency allocated
     life: Any = None  # opaque to the cache: residency's record of what this entry owns (`wcd.life`)
     done_bytes: int = 0  # load progress
+    # While loading: "allocating" (the arena), "reading" (the checkpoint into it) or "checking" (a
+    # copy kept across a restart); set by `wcd.residency`, shown in status and metrics.
+    load_phase: str = ""
+    reading_since: float | None = None  # time.monotonic() when the reading began: rate and time left
     acquires: int = 0
     notes: list[str] = field(default_factory=list)  # shown in status, e.g. "checkpoint missing"
     publisher: int | None = None  # uid whose bytes these are: the daemon's for its loads
@@ -118,12 +125,46 @@ class Entry:
             "publisher_uid": self.publisher,
             "asked_by": self.asked_by,
             "tensors": len(self.manifest) if self.recorded_tensors is None else self.recorded_tensors,
-            "progress": {"done": self.done_bytes, "total": self.manifest.nbytes},
+            "progress": self._progress(),
             "acquires": self.acquires,
             "notes": self.notes,
             "last_used": datetime.fromtimestamp(time.time() - idle_s, timezone.utc).isoformat(timespec="seconds"),
             "idle_s": round(idle_s, 3),
             "key": self.key.model_dump(),
+        }
+
+    def _progress(self) -> dict[str, Any]:
+        """Bytes done of the total; while loading, the phase, and once reading, bytes/s and seconds left."""
+        done, total = self.done_bytes, self.manifest.nbytes
+        progress: dict[str, Any] = {"done": done, "total": total, "phase": self.load_phase}
+        if self.load_phase == "reading" and self.reading_since is not None:
+            elapsed = time.monotonic() - self.reading_since
+            rate = done / elapsed if elapsed > 0 else 0.0
+            progress["rate"] = round(rate)
+            progress["eta_s"] = round((total - done) / rate, 1) if rate > 0 else None
+        return progress
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """A load that ended without an entry: what an operator sees in its place (`describe`)."""
+
+    name: str
+    reason: str  # one line
+    at: float  # wall clock
+    origin: Origin
+    device: str
+    path: str
+
+    def describe(self) -> dict[str, Any]:
+        """The same fields as `Entry.describe`, state `failed`, with `reason` and `failed_at`."""
+        when = datetime.fromtimestamp(self.at, timezone.utc).isoformat(timespec="seconds")
+        return {
+            "name": self.name, "state": "failed", "bytes": 0, "device": self.device, "leases": 0,
+            "retention": None, "origin": self.origin, "publisher_uid": None, "tensors": 0,
+            "progress": {"done": 0, "total": 0}, "acquires": 0, "notes": [f"failed: {self.reason}"],
+            "last_used": when, "idle_s": round(max(0.0, time.time() - self.at), 3), "key": {},
+            "reason": self.reason, "failed_at": when, "path": self.path,
         }
 
 
@@ -144,7 +185,8 @@ class Cache:
         self.entries: dict[str, Entry] = {}
         self.leases: dict[int, Lease] = {}
         self._ids = itertools.count(1)
-        self.stats = {"lease_expiries": 0, "evictions": 0}
+        self.stats = {"lease_expiries": 0, "evictions": 0, "load_failures": 0}
+        self.failures: dict[str, Failure] = {}  # by name, oldest first
         # Indexes over `entries` and `leases`, kept by the methods below (nothing else mutates them):
         self._by_key: dict[WeightCacheKey, dict[int | None, Entry]] = {}  # key -> publisher uid -> entry
         self._published: Counter[int | None] = Counter()  # published entries per publisher uid
@@ -190,6 +232,11 @@ class Cache:
         asker trusts, in order) that has one. A near miss reports the differing fields."""
         if isinstance(target, str):
             entry = self.entries.get(target)
+            if entry is None and target in self.failures:
+                failure = self.failures[target]
+                raise NotFound(f"{target!r} failed to load at {failure.describe()['failed_at']}: {failure.reason} "
+                               "(wcdctl status shows it; fix it, then reload the daemon or wcdctl load it)",
+                               {"name": target, "state": "failed", "reason": failure.reason})
             if entry is None:
                 raise NotFound(f"no entry named {target!r} (wcdctl list shows what is resident)", {"name": target})
             return entry
@@ -245,6 +292,7 @@ class Cache:
         now = self.clock()
         state: State = "filling" if origin == "publish" and not adopted else "loading"
         entry = Entry(name, key, manifest, nbytes, retention, origin, state, now, now, publisher=publisher)
+        self.failures.pop(name, None)  # tried again
         self.entries[name] = entry
         self._by_key.setdefault(key, {})[publisher] = entry
         if origin == "publish":
@@ -349,6 +397,20 @@ class Cache:
 
     def load_failed(self, entry: Entry) -> list[Entry]:
         return [self._drop(entry)] if entry.name in self.entries and self.entries[entry.name] is entry else []
+
+    def fail(self, name: str, reason: str, origin: Origin, device: str, path: str) -> Failure:
+        """Note that loading `name` ended without an entry (its entry, if admitted, is dropped by
+        `load_failed`). Replaces an older failure of that name."""
+        self.failures.pop(name, None)
+        while len(self.failures) >= self.max_entries:
+            del self.failures[next(iter(self.failures))]
+        failure = self.failures[name] = Failure(name, reason, time.time(), origin, device, path)
+        self.stats["load_failures"] += 1
+        return failure
+
+    def forget_failure(self, name: str) -> Failure | None:
+        """Drop the failure noted under `name` (evicted by an operator, or its model left the config)."""
+        return self.failures.pop(name, None)
 
     def cancel_loads(self) -> None:
         """Mark every loading entry `evicting`, so its loader stops at the next chunk (shutdown)."""

@@ -26,7 +26,7 @@ from typing import Any, Generic, TypeVar
 
 from wcd import __version__, protocol
 from wcd.arenas import backend_for
-from wcd.cache import Entry, Lease
+from wcd.cache import Cache, Entry, Lease
 from wcd.connection import Connection
 from wcd.errors import BadRequest, Busy, Internal, NotFound, PermissionDenied, UnsupportedVersion, WcdError
 from wcd.key import HOST_DEVICE, WeightCacheKey
@@ -109,16 +109,22 @@ def status(ctx: Context, conn: Connection, req: protocol.Status) -> None:
         devices.append({"device": device, "name": info.name, "total": info.total, "free": info.free,
                         "budget": budget, "used": cache.used(device),
                         "mapped_after_release": cache.outside(device)})
-    entries = [e.describe() for e in cache.entries.values()]
+    entries = _described(cache)
     conn.send(protocol.ok(
         req.id, version=__version__, instance=state.instance, pid=os.getpid(),
         uptime_s=time.time() - state.started_at, socket=state.where, lease_ttl_s=cache.lease_ttl_s,
         devices=devices, entries=entries, leases=len(cache.leases), connections=len(state.connections),
-        loading=[e["name"] for e in entries if e["state"] == "loading"], counters=dict(cache.stats)))
+        loading=[e["name"] for e in entries if e["state"] == "loading"],
+        failed=[e["name"] for e in entries if e["state"] == "failed"], counters=dict(cache.stats)))
 
 
 def list_entries(ctx: Context, conn: Connection, req: protocol.ListEntries) -> None:
-    conn.send(protocol.ok(req.id, entries=[e.describe() for e in ctx.state.cache.entries.values()]))
+    conn.send(protocol.ok(req.id, entries=_described(ctx.state.cache)))
+
+
+def _described(cache: Cache) -> list[dict[str, Any]]:
+    """Entries, then the loads that failed (state `failed`, with their reason)."""
+    return [e.describe() for e in cache.entries.values()] + [f.describe() for f in cache.failures.values()]
 
 
 def leases(ctx: Context, conn: Connection, req: protocol.Leases) -> None:
@@ -149,7 +155,16 @@ def abort(ctx: Context, conn: Connection, req: protocol.Abort) -> None:
 
 
 def evict(ctx: Context, conn: Connection, req: protocol.Evict) -> None:
-    entry = ctx.state.cache.find(ctx.residency.resolve(req.target()), ctx.publishers(conn))
+    target = req.target()
+    if isinstance(target, str) and target not in ctx.state.cache.entries and target in ctx.state.cache.failures:
+        if not ctx.is_admin(conn):
+            raise PermissionDenied(f"uid {conn.uid} may not evict {target!r}: only admins forget a failed load",
+                                   {"entry": target, "uid": conn.uid})
+        ctx.state.cache.forget_failure(target)
+        log.info("%s: its failed load forgotten (evicted by uid %d)", target, conn.uid)
+        conn.send(protocol.ok(req.id, entry=target, state="evicted", leases=0))
+        return
+    entry = ctx.state.cache.find(ctx.residency.resolve(target), ctx.publishers(conn))
     ctx.state.cache.check_evict(entry, conn.uid, ctx.is_admin(conn))
     dropped = ctx.residency.evict(entry)
     conn.send(protocol.ok(req.id, entry=entry.name, state="evicted" if dropped else entry.state,
@@ -256,7 +271,14 @@ async def load(ctx: Context, conn: Connection, req: protocol.Load) -> None:
     entry = ctx.state.cache.entries.get(req.name)
     if entry is None:
         started = time.monotonic()
-        entry = await ctx.residency.admit_load(req.name, path, device, retention, "load", follow)
+        try:
+            entry = await ctx.residency.admit_load(req.name, path, device, retention, "load", follow)
+        except (Busy, PermissionDenied):
+            raise  # the name or key is taken, or the path is not the peer's to load: nothing failed to load
+        except WcdError as e:
+            ctx.residency.failed(req.name, f"{e.message} (wcdctl load by uid {conn.uid})",
+                                 "config" if req.path is None else "load", device, path)
+            raise
         if req.path is not None:  # bytes the asker chose, not the daemon's config
             entry.asked_by = conn.uid
         admitted = time.monotonic()

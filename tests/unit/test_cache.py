@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import pytest
@@ -549,8 +550,38 @@ def test_describe(cache: Cache, clock: Clock) -> None:
                               "acquires")} == {
         "name": "e", "state": "ready", "bytes": 300, "device": "cpu", "leases": 1, "retention": "pinned",
         "origin": "load", "tensors": 2, "acquires": 1}
-    assert d["progress"] == {"done": 0, "total": MANIFEST.nbytes}
+    assert d["progress"] == {"done": 0, "total": MANIFEST.nbytes, "phase": ""}
     assert d["key"]["model"] == "e"
+
+
+def test_progress_while_reading_has_rate_and_time_left(cache: Cache) -> None:
+    e = admit(cache, "e", 300, ready=False)
+    e.load_phase, e.reading_since, e.done_bytes = "reading", time.monotonic() - 2.0, MANIFEST.nbytes // 4
+    p = e.describe()["progress"]
+    assert p["phase"] == "reading" and p["done"] == MANIFEST.nbytes // 4
+    assert p["rate"] == pytest.approx(MANIFEST.nbytes / 8, rel=0.2)
+    assert p["eta_s"] == pytest.approx(6.0, rel=0.2)
+
+
+def test_a_failed_load_is_kept_until_the_name_is_admitted_again(cache: Cache) -> None:
+    cache.fail("t", "t.safetensors is truncated", "config", "cpu", "/m/t.safetensors")
+    d = cache.failures["t"].describe()
+    assert d["state"] == "failed" and d["reason"] == "t.safetensors is truncated" and d["bytes"] == 0
+    assert d["failed_at"].endswith("+00:00") and cache.stats["load_failures"] == 1
+    with pytest.raises(NotFound, match="'t' failed to load at .*: t.safetensors is truncated") as info:
+        cache.find("t")
+    assert info.value.details["state"] == "failed"
+    admit(cache, "t", 100)
+    assert "t" not in cache.failures and cache.find("t").state == "ready"
+    cache.fail("u", "gone", "load", "cpu", "/u")
+    assert cache.forget_failure("u") is not None and not cache.failures
+
+
+def test_failures_are_bounded_by_max_entries(clock: Clock) -> None:
+    cache = Cache({"cpu": 1000}, TTL, clock=clock, max_entries=3)
+    for i in range(5):
+        cache.fail(f"m{i}", "bad", "load", "cpu", "/x")
+    assert list(cache.failures) == ["m2", "m3", "m4"]  # the oldest go first
 
 
 # -- indexes: what a peer can make the daemon do stays proportional to its own share ---------------
