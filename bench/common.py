@@ -24,7 +24,6 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-
 @dataclass(frozen=True)
 class Variant:
     """Daemon settings under a name: `config` lines of `[daemon]`, `tuning` fields of `LoadTuning`."""

@@ -26,7 +26,7 @@ from typing import Any, Generic, TypeVar
 
 from wcd import __version__, protocol
 from wcd.arenas import backend_for
-from wcd.cache import Cache, Entry, Lease
+from wcd.cache import Cache, Entry, LeaseRecord
 from wcd.connection import Connection
 from wcd.errors import BadRequest, Busy, Internal, NotFound, PermissionDenied, UnsupportedVersion, WcdError
 from wcd.key import HOST_DEVICE, WeightCacheKey
@@ -171,7 +171,7 @@ def evict(ctx: Context, conn: Connection, req: protocol.Evict) -> None:
                           leases=len(entry.leases)))
 
 
-def metrics(ctx: Context, conn: Connection, req: protocol.Metrics) -> Coroutine[Any, Any, None] | None:
+def metrics(ctx: Context, conn: Connection, req: protocol.MetricsRequest) -> Coroutine[Any, Any, None] | None:
     """At once, once prometheus-client is imported; before (the first second after READY, when
     `Server._warm_metrics` imports it) as a task that waits for the one import, in a thread, and
     gets the rendering it shares with every request that waited with it (`Metrics.text`)."""
@@ -181,7 +181,7 @@ def metrics(ctx: Context, conn: Connection, req: protocol.Metrics) -> Coroutine[
     return _metrics_later(ctx, conn, req)
 
 
-async def _metrics_later(ctx: Context, conn: Connection, req: protocol.Metrics) -> None:
+async def _metrics_later(ctx: Context, conn: Connection, req: protocol.MetricsRequest) -> None:
     conn.send(protocol.ok(req.id, text=await ctx.metrics.text()))
 
 
@@ -321,7 +321,7 @@ def _reserved_manifest(tensors: protocol.TensorColumns) -> Manifest:
     return manifest
 
 
-def _send_lease(ctx: Context, conn: Connection, req_id: int, lease: Lease) -> None:
+def _send_lease(ctx: Context, conn: Connection, req_id: int, lease: LeaseRecord) -> None:
     entry, arena = lease.entry, lease.entry.arena
     ctx.state.cache.handed_out(lease)
     conn.send(protocol.ok(
@@ -359,7 +359,7 @@ OPS: dict[str, Op[Any]] = {
     "release": Op(protocol.Release, release),
     "abort": Op(protocol.Abort, abort),
     "evict": Op(protocol.Evict, evict),
-    "metrics": Op(protocol.Metrics, metrics),
+    "metrics": Op(protocol.MetricsRequest, metrics),
     "acquire": Op(protocol.Acquire, acquire),
     "reserve": Op(protocol.Reserve, reserve),
     "commit": Op(protocol.Commit, commit),

@@ -17,10 +17,11 @@ from typing import Any, cast
 
 import msgpack
 
-from wcd.cache import Entry, Origin, Retention
+from wcd.cache import Entry, Origin
 from wcd.errors import BadRequest
 from wcd.key import WeightCacheKey
 from wcd.manifest import Manifest
+from wcd.wire import Retention
 
 RECORD_VERSION = 1
 MAX_RECORD_BYTES = 64 << 20

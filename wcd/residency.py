@@ -29,7 +29,7 @@ from typing import Any
 
 from wcd import adoption, parking
 from wcd.arenas import Arena, ArenaBackend, backend_for, loaded_backends, released_held
-from wcd.cache import Entry, Lease, Origin, Retention, describe_expired
+from wcd.cache import Entry, LeaseRecord, Origin, describe_expired
 from wcd.checkpoint import Checkpoint, Shards
 from wcd.config import ModelConfig
 from wcd.devices import Devices
@@ -45,6 +45,7 @@ from wcd.offloop import both, close_later, free_later, produced, using
 from wcd.state import ServerState
 from wcd.units import describe_progress, format_duration, format_size
 from wcd.verifying import Verification, Verifier
+from wcd.wire import Retention
 from wcd.workers import Pool
 
 log = logging.getLogger("wcd")
@@ -267,7 +268,7 @@ class Residency:
     # -- publishing -------------------------------------------------------------------------
 
     async def reserve(self, name: str, key: WeightCacheKey, manifest: Manifest, retention: Retention,
-                      owner: Any, pid: int, uid: int) -> Lease:
+                      owner: Any, pid: int, uid: int) -> LeaseRecord:
         """Admit a published entry (carrying `uid`) and allocate its empty arena: the fill lease,
         whose TTL starts when the caller hands it out (`Cache.handed_out`)."""
         backend = backend_for(key.device)

@@ -27,6 +27,7 @@ def test_a_variant_sets_only_what_the_daemon_has(name: str, tmp_path: Path) -> N
     tuning = LoadTuning(**v.tuning)  # unknown fields and bad values raise
     assert all(getattr(tuning, knob) == value for knob, value in v.tuning.items())
 
+
 def test_variants_combine_and_unknown_ones_are_one_line() -> None:
     both = common.variant("buffered+noahead")
     assert both.config == {"cold_reads": "buffered"} and both.tuning == {"read_ahead_bytes": 0}
