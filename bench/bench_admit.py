@@ -8,7 +8,7 @@ the bare `json.loads` and `pydantic_core.from_json` (what `open` parses with) of
 objects freed, cyclic GC off: the floor no per-tensor saving gets below; `open_helpers` is `open`
 with `--helpers N` header helper processes (`wcd.header_helpers`). `load_op` is the load op's
 CPU besides the copies (open, fingerprint, manifest, plan, recheck). Checkpoints are bench_load's
-synthetic BF16 shards (written once). A `--variant`'s tuning is set in this process (its daemon
+synthetic BF16 shards (written once). A `--variant`'s tuning is passed to the plan here (its daemon
 config does not apply: no daemon runs); each variant's phases are measured in turn.
 
     python bench/bench_admit.py --dir /var/tmp/wcd-admit --ckpt 1.6:1000 --ckpt 1.6:100000 --helpers 8
@@ -32,6 +32,7 @@ from pydantic_core import from_json
 from wcd import key
 from wcd.checkpoint import Checkpoint
 from wcd.header_helpers import HeaderHelpers
+from wcd.tuning import LoadTuning
 
 
 def bare_parse(files: list[Path], parse: Callable[[bytes], Any]) -> None:
@@ -49,7 +50,7 @@ def bare_parse(files: list[Path], parse: Callable[[bytes], Any]) -> None:
             gc.enable()
 
 
-def phases(d: Path, files: list[Path], helpers: HeaderHelpers | None) -> dict[str, float]:
+def phases(d: Path, files: list[Path], helpers: HeaderHelpers | None, tuning: LoadTuning) -> dict[str, float]:
     out: dict[str, float] = {}
 
     def timed(name: str, f: Callable[[], Any]) -> Any:
@@ -65,7 +66,7 @@ def phases(d: Path, files: list[Path], helpers: HeaderHelpers | None) -> dict[st
     with timed("open", lambda: Checkpoint.open(d)) as ckpt:
         timed("fingerprint", lambda: key.fingerprint(ckpt))
         manifest = timed("manifest", ckpt.manifest)
-        timed("copy_plan", lambda: ckpt.copy_plan(manifest))
+        timed("copy_plan", lambda: ckpt.copy_plan(manifest, chunk=tuning.chunk_bytes))
         timed("recheck", lambda: key.fingerprint(ckpt))
         timed("grouped", manifest.grouped)
     out["admission"] = out["open"] + out["manifest"] + out["copy_plan"] + out["grouped"]
@@ -93,8 +94,7 @@ def main() -> None:
             d = args.dir / f"{gb:g}gb-{tensors}"
             files = write_checkpoint(d, int(gb * 1e9), tensors, args.shards)
             for v in args.variant:
-                with common.tuned(v):
-                    runs = [phases(d, files, helpers) for _ in range(args.reps)]
+                runs = [phases(d, files, helpers, LoadTuning(**v.tuning)) for _ in range(args.reps)]
                 median = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
                 result["rows"].append({"gb": gb, "tensors": tensors, "variant": v.name, "median_s": median})
                 shown = "  ".join(f"{k} {x * 1e3:.1f} ms" for k, x in median.items())

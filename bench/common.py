@@ -1,15 +1,13 @@
 """What the benchmarks share: `--variant` (named daemon settings, side by side), `--json` output
 with the machine and revision it ran on, a daemon started for a run, synthetic checkpoints.
 
-A variant is daemon config lines plus load tuning; tuning reaches the daemon in `_TUNING` and
-`daemon_argv` only, so moving it to another mechanism is an edit here, not in every benchmark.
+A variant is daemon config lines plus load tuning: fields of `wcd.tuning.LoadTuning`, which the
+daemon's arena backends are built with (`wcd.arenas.set_tuning`, before the daemon starts).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib
 import json
 import os
 import platform
@@ -17,7 +15,6 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,17 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-# Load tuning a variant may set -> where the daemon reads it today.
-_TUNING = {
-    "read_ahead_bytes": "wcd.loader.READ_AHEAD_BYTES",
-    "chunk_bytes": "wcd.checkpoint.CHUNK_BYTES",
-    "direct_read_bytes": "wcd.arenas.cuda.DIRECT_READ_BYTES",
-}
-
 
 @dataclass(frozen=True)
 class Variant:
-    """Daemon settings under a name: `config` lines of `[daemon]`, `tuning` fields (`_TUNING`)."""
+    """Daemon settings under a name: `config` lines of `[daemon]`, `tuning` fields of `LoadTuning`."""
 
     name: str
     about: str
@@ -118,28 +108,11 @@ def daemon_argv(v: Variant, config: Path, log_level: str = "warning") -> list[st
     serve = ["serve", "--config", str(config), "--log-level", log_level]
     if not v.tuning:
         return [sys.executable, "-m", "wcd", *serve]
-    sets = {_TUNING[k]: value for k, value in v.tuning.items()}
-    code = ("import importlib, json, sys\n"
-            "for k, v in json.loads(sys.argv[1]).items():\n"
-            "    m, _, a = k.rpartition('.'); setattr(importlib.import_module(m), a, v)\n"
+    code = ("import json, sys\n"
+            "from wcd import arenas, tuning\n"
+            "arenas.set_tuning(tuning.LoadTuning(**json.loads(sys.argv[1])))\n"
             "from wcd.cli.wcd import main; sys.exit(main(sys.argv[2:]))")
-    return [sys.executable, "-c", code, json.dumps(sets), *serve]
-
-
-@contextlib.contextmanager
-def tuned(v: Variant) -> Iterator[None]:
-    """The variant's tuning set in this process (benchmarks that call wcd's code directly)."""
-    old = []
-    for k, value in v.tuning.items():
-        module, _, attr = _TUNING[k].rpartition(".")
-        m = importlib.import_module(module)
-        old.append((m, attr, getattr(m, attr)))
-        setattr(m, attr, value)
-    try:
-        yield
-    finally:
-        for m, attr, value in reversed(old):
-            setattr(m, attr, value)
+    return [sys.executable, "-c", code, json.dumps(v.tuning), *serve]
 
 
 class Daemon:

@@ -28,6 +28,7 @@ from wcd.manifest import (
     names_valid,
 )
 from wcd.peers import user_gids
+from wcd.tuning import DEFAULT
 
 if TYPE_CHECKING:
     from wcd.header_helpers import HeaderHelpers
@@ -35,10 +36,6 @@ if TYPE_CHECKING:
 SAMPLE_BYTES = 4096
 SAMPLES_PER_FILE = 64
 BATCH_BYTES = 4 << 20  # one staging buffer
-# A tensor of at least its file's batch is copied in pieces of this many bytes, one op each: the
-# loader threads take ops in file order, so a large tensor's pieces are read by several threads at
-# once, each piece front to back. Read when a plan is made, so that benchmarks can set it.
-CHUNK_BYTES = 64 << 20
 MAX_PIECES = 1024  # IOV_MAX: one preadv scatters a run
 
 
@@ -368,7 +365,8 @@ class Checkpoint:
 
         `batch` is one for all shards or one per shard (the writer reads cold files in larger pieces).
         Tensors of at least `batch` bytes become direct copies, split into `chunk`-byte pieces
-        (CHUNK_BYTES unless given).
+        (`LoadTuning.chunk_bytes` unless given): the loader threads take ops in file order, so a
+        large tensor's pieces are read by several threads at once, each piece front to back.
         Runs of smaller tensors that lie back to back in the file become one op each, of at most
         `batch` arena bytes and `MAX_PIECES` tensors: one read of the whole file range, scattered
         into the arena layout (which pads each tensor to 256 bytes), and few writes. An op's tensors
@@ -376,7 +374,7 @@ class Checkpoint:
         make ~400 ops of one run each. The plan is found with C-level passes over the columns and
         a Python step per op and per run.
         """
-        chunk = chunk or CHUNK_BYTES
+        chunk = chunk or DEFAULT.chunk_bytes
         offsets = manifest.offsets  # the manifest lists tensors in this very order (`manifest`)
         if len(offsets) != sum(len(h.names) for h in self.headers):
             raise ValueError("copy_plan needs the manifest of this checkpoint")

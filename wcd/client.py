@@ -84,6 +84,7 @@ class Lease:
             # Whose bytes these are: the daemon's own loads ("config"/"load") or a publisher's uid.
             self.origin: str | None = reply.get("origin")
             self.publisher_uid: int | None = reply.get("publisher_uid")
+            self.asked_by: int | None = reply.get("asked_by")  # whose `load` made it (origin "load")
             with _decoding(f"the manifest of {self.entry!r}"):
                 self.manifest = validated_manifest(reply.get("manifest"))
                 self.arena: dict[str, Any] = _field(reply, "arena", dict)
@@ -434,7 +435,14 @@ class Client:
         return self.request("list")["entries"]
 
     def list_leases(self) -> builtins.list[dict[str, Any]]:
-        return self.request("leases")["leases"]
+        """Every lease the daemon shows this peer (admins: all), asked a page at a time."""
+        leases, after = [], 0
+        while True:
+            page = self.request("leases", after=after)
+            leases += page["leases"]
+            if page.get("next") is None:
+                return leases
+            after = page["next"]
 
     def metrics(self) -> str:
         return str(self.request("metrics")["text"])

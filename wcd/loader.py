@@ -59,8 +59,8 @@ class Progress:
 
 
 def default_workers() -> int:
-    """Loader threads per load: one per core, 4 to 16 (16 filled an H200 from the page cache at
-    46 GB/s, 8 at 44, 24 at 31; 4 on a 2-core VM kept host fills at the plain copy's rate)."""
+    """Loader threads per load: one per core, 4 to 16 (beyond 16 the copies from the page cache
+    slow down; 4 keep a small host's fills at a plain copy's rate: bench/RESULTS.md)."""
     return max(4, min(16, len(os.sched_getaffinity(0))))  # the cores this daemon may run on
 
 
@@ -73,13 +73,6 @@ def _memcmp() -> Callable[[int, int, int], int]:
     return memcmp
 
 
-# is being made: a GPU writer with no context lingering waits for it and its pinned staging (0.09
-# to 0.16 s on the H200 machines) with the disk idle; at the 2-2.3 GB/s those machines' disks
-# served cold loads that is 200-370 MB. The reading ahead stops when the writer is ready, wherever
-# it got to. 1.6 GB cold with a context made per load (2026-12-03, round20, six rounds): 256 MiB
-# kept the disk busy 94% of the clock against 86% with 128, and loaded in 0.858 s against 0.885
-# (medians; faster in 4 of 6).
-READ_AHEAD_BYTES = 256 << 20
 # One POSIX_FADV_WILLNEED reads at most max(io_pages, ra_pages) of what it is asked for (the kernel
 # clamps it in force_page_cache_ra: 8 MiB on the CI VM, ~1 MiB on the H200's), so it is asked in
 # pieces no larger than the smallest such limit Linux sets by default (BLK_DEF_MAX_SECTORS was
@@ -142,8 +135,8 @@ def fill_arena(
     Call it from a thread, never the loop. `plan` is the ops, or the manifest to plan them from
     once the writer knows which files are in the page cache (it may read the others in larger
     pieces: `ArenaWriter.batch_bytes`). With `reads_ahead` (for writers that read through the
-    page cache), files not all in the page cache are read ahead (`read_ahead`, up to
-    READ_AHEAD_BYTES) while the writer is being made, and no longer.
+    page cache), files not all in the page cache are read ahead (`read_ahead`, up to the
+    arena's `tuning.read_ahead_bytes`) while the writer is being made, and no longer.
 
     Then fail (`LoadFailed`) if a shard was written meanwhile: its size or times changed since it
     was opened, or (given the fingerprint taken at admission) its sampled bytes differ now. Either
@@ -151,14 +144,15 @@ def fill_arena(
     """
     times = [time.perf_counter()]
     cached = [cached_fraction(fd) for fd in checkpoint.fds]  # before this load reads tensor data
-    with _reading_ahead(checkpoint, cached, READ_AHEAD_BYTES if reads_ahead else 0) as asked:
+    with _reading_ahead(checkpoint, cached, arena.tuning.read_ahead_bytes if reads_ahead else 0) as asked:
         writer = arena.writer()
     times.append(time.perf_counter())
     try:
         for fd, fraction in zip(checkpoint.fds, cached):
             writer.hint(fd, fraction, asked.get(fd))
         ops = plan if not isinstance(plan, Manifest) else \
-            checkpoint.copy_plan(plan, batch=[writer.batch_bytes(fd) or BATCH_BYTES for fd in checkpoint.fds])
+            checkpoint.copy_plan(plan, chunk=arena.tuning.chunk_bytes,
+                                 batch=[writer.batch_bytes(fd) or BATCH_BYTES for fd in checkpoint.fds])
         times.append(time.perf_counter())
         failed = threading.Event()  # one failed chunk stops the others early
 

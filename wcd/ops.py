@@ -26,7 +26,7 @@ from typing import Any, Generic, TypeVar
 
 from wcd import __version__, protocol
 from wcd.arenas import backend_for
-from wcd.cache import Entry, Lease
+from wcd.cache import Cache, Entry, LeaseRecord
 from wcd.connection import Connection
 from wcd.errors import BadRequest, Busy, Internal, NotFound, PermissionDenied, UnsupportedVersion, WcdError
 from wcd.key import HOST_DEVICE, WeightCacheKey
@@ -109,27 +109,35 @@ def status(ctx: Context, conn: Connection, req: protocol.Status) -> None:
         devices.append({"device": device, "name": info.name, "total": info.total, "free": info.free,
                         "budget": budget, "used": cache.used(device),
                         "mapped_after_release": cache.outside(device)})
-    entries = [e.describe() for e in cache.entries.values()]
+    entries = _described(cache)
     conn.send(protocol.ok(
         req.id, version=__version__, instance=state.instance, pid=os.getpid(),
         uptime_s=time.time() - state.started_at, socket=state.where, lease_ttl_s=cache.lease_ttl_s,
         devices=devices, entries=entries, leases=len(cache.leases), connections=len(state.connections),
-        loading=[e["name"] for e in entries if e["state"] == "loading"], counters=dict(cache.stats)))
+        loading=[e["name"] for e in entries if e["state"] == "loading"],
+        failed=[e["name"] for e in entries if e["state"] == "failed"], counters=dict(cache.stats)))
 
 
 def list_entries(ctx: Context, conn: Connection, req: protocol.ListEntries) -> None:
-    conn.send(protocol.ok(req.id, entries=[e.describe() for e in ctx.state.cache.entries.values()]))
+    conn.send(protocol.ok(req.id, entries=_described(ctx.state.cache)))
+
+
+def _described(cache: Cache) -> list[dict[str, Any]]:
+    """Entries, then the loads that failed (state `failed`, with their reason)."""
+    return [e.describe() for e in cache.entries.values()] + [f.describe() for f in cache.failures.values()]
 
 
 def leases(ctx: Context, conn: Connection, req: protocol.Leases) -> None:
-    """Every lease for admins; a peer's own (by uid) for the others: pids and uids are not theirs to see."""
+    """A page of leases (ids above `after`): every lease for admins; a peer's own (by uid) for the
+    others, from the cache's index of them: pids and uids are not theirs to see. `next` is the
+    cursor of the next page, None after the last."""
     cache = ctx.state.cache
     now = cache.clock()
-    everyone = ctx.is_admin(conn)
-    conn.send(protocol.ok(req.id, leases=[
+    page, cursor = cache.leases_page(None if ctx.is_admin(conn) else conn.uid, req.after, req.limit)
+    conn.send(protocol.ok(req.id, next=cursor, leases=[
         {"id": lease.id, "entry": lease.entry.name, "kind": lease.kind, "pid": lease.pid, "uid": lease.uid,
          "expires_in_s": round(lease.expires_at - now, 3) if math.isfinite(lease.expires_at) else None}
-        for lease in cache.leases.values() if everyone or lease.uid == conn.uid]))
+        for lease in page]))
 
 
 def heartbeat(ctx: Context, conn: Connection, req: protocol.Heartbeat) -> None:
@@ -147,14 +155,23 @@ def abort(ctx: Context, conn: Connection, req: protocol.Abort) -> None:
 
 
 def evict(ctx: Context, conn: Connection, req: protocol.Evict) -> None:
-    entry = ctx.state.cache.find(ctx.residency.resolve(req.target()), ctx.publishers(conn))
+    target = req.target()
+    if isinstance(target, str) and target not in ctx.state.cache.entries and target in ctx.state.cache.failures:
+        if not ctx.is_admin(conn):
+            raise PermissionDenied(f"uid {conn.uid} may not evict {target!r}: only admins forget a failed load",
+                                   {"entry": target, "uid": conn.uid})
+        ctx.state.cache.forget_failure(target)
+        log.info("%s: its failed load forgotten (evicted by uid %d)", target, conn.uid)
+        conn.send(protocol.ok(req.id, entry=target, state="evicted", leases=0))
+        return
+    entry = ctx.state.cache.find(ctx.residency.resolve(target), ctx.publishers(conn))
     ctx.state.cache.check_evict(entry, conn.uid, ctx.is_admin(conn))
     dropped = ctx.residency.evict(entry)
     conn.send(protocol.ok(req.id, entry=entry.name, state="evicted" if dropped else entry.state,
                           leases=len(entry.leases)))
 
 
-def metrics(ctx: Context, conn: Connection, req: protocol.Metrics) -> Coroutine[Any, Any, None] | None:
+def metrics(ctx: Context, conn: Connection, req: protocol.MetricsRequest) -> Coroutine[Any, Any, None] | None:
     """At once, once prometheus-client is imported; before (the first second after READY, when
     `Server._warm_metrics` imports it) as a task that waits for the one import, in a thread, and
     gets the rendering it shares with every request that waited with it (`Metrics.text`)."""
@@ -164,7 +181,7 @@ def metrics(ctx: Context, conn: Connection, req: protocol.Metrics) -> Coroutine[
     return _metrics_later(ctx, conn, req)
 
 
-async def _metrics_later(ctx: Context, conn: Connection, req: protocol.Metrics) -> None:
+async def _metrics_later(ctx: Context, conn: Connection, req: protocol.MetricsRequest) -> None:
     conn.send(protocol.ok(req.id, text=await ctx.metrics.text()))
 
 
@@ -254,7 +271,16 @@ async def load(ctx: Context, conn: Connection, req: protocol.Load) -> None:
     entry = ctx.state.cache.entries.get(req.name)
     if entry is None:
         started = time.monotonic()
-        entry = await ctx.residency.admit_load(req.name, path, device, retention, "load", follow)
+        try:
+            entry = await ctx.residency.admit_load(req.name, path, device, retention, "load", follow)
+        except (Busy, PermissionDenied):
+            raise  # the name or key is taken, or the path is not the peer's to load: nothing failed to load
+        except WcdError as e:
+            ctx.residency.failed(req.name, f"{e.message} (wcdctl load by uid {conn.uid})",
+                                 "config" if req.path is None else "load", device, path)
+            raise
+        if req.path is not None:  # bytes the asker chose, not the daemon's config
+            entry.asked_by = conn.uid
         admitted = time.monotonic()
         task = ctx.residency.start_fill(entry)
         if req.wait:
@@ -295,12 +321,12 @@ def _reserved_manifest(tensors: protocol.TensorColumns) -> Manifest:
     return manifest
 
 
-def _send_lease(ctx: Context, conn: Connection, req_id: int, lease: Lease) -> None:
+def _send_lease(ctx: Context, conn: Connection, req_id: int, lease: LeaseRecord) -> None:
     entry, arena = lease.entry, lease.entry.arena
     ctx.state.cache.handed_out(lease)
     conn.send(protocol.ok(
         req_id, lease=lease.id, kind=lease.kind, entry=entry.name, key=entry.key.model_dump(),
-        origin=entry.origin, publisher_uid=entry.publisher,
+        origin=entry.origin, publisher_uid=entry.publisher, asked_by=entry.asked_by,
         manifest=entry.manifest.wire(), ttl_s=ctx.state.cache.lease_ttl_s,
         arena={"kind": arena.kind, "size": arena.size, "device": arena.device}), [arena.fd()])
 
@@ -333,7 +359,7 @@ OPS: dict[str, Op[Any]] = {
     "release": Op(protocol.Release, release),
     "abort": Op(protocol.Abort, abort),
     "evict": Op(protocol.Evict, evict),
-    "metrics": Op(protocol.Metrics, metrics),
+    "metrics": Op(protocol.MetricsRequest, metrics),
     "acquire": Op(protocol.Acquire, acquire),
     "reserve": Op(protocol.Reserve, reserve),
     "commit": Op(protocol.Commit, commit),

@@ -29,7 +29,7 @@ from typing import Any
 
 from wcd import adoption, parking
 from wcd.arenas import Arena, ArenaBackend, backend_for, loaded_backends, released_held
-from wcd.cache import Entry, Lease, Origin, Retention
+from wcd.cache import Entry, LeaseRecord, Origin, describe_expired
 from wcd.checkpoint import Checkpoint, Shards
 from wcd.config import ModelConfig
 from wcd.devices import Devices
@@ -43,17 +43,20 @@ from wcd.manifest import Manifest
 from wcd.metrics import Metrics
 from wcd.offloop import both, close_later, free_later, produced, using
 from wcd.state import ServerState
-from wcd.units import format_size
+from wcd.units import describe_progress, format_duration, format_size
 from wcd.verifying import Verification, Verifier
+from wcd.wire import Retention
 from wcd.workers import Pool
 
 log = logging.getLogger("wcd")
 
+LOAD_LOG_EVERY_S = 10.0  # a load that takes longer says how far it got this often
 FILL_WORKERS = 4  # loads filling at once; each runs `load_workers` reader threads of its own
 Spawn = Callable[[Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]
 # How long shutdown waits for the driver to let go of arenas and lingering GPU staging: a hung
 # driver must not hold it until systemd's stop timeout; what is left goes with the process.
 RELEASE_WAIT_S = 5.0
+EXPIRY_BATCH = 1024  # leases the expiry task ends before it lets the loop answer others
 
 
 class Residency:
@@ -103,7 +106,7 @@ class Residency:
             entry = await self.admit_load(model.name, model.path, model.device, model.retention, "config",
                                           model.follow_symlinks, replacing)
         except WcdError as e:
-            log.error("cannot load %s: %s", model.name, e.message)
+            self.failed(model.name, e.message, "config", model.device, model.path)
             return
         finally:
             self._admitting.pop(model.name, None)
@@ -111,6 +114,13 @@ class Residency:
         if self._model(model.name) != model:
             self.supersede(entry)  # a reload changed or removed it meanwhile: its fill stops, then per that config
         self.start_fill(entry)
+
+    def failed(self, name: str, reason: str, origin: Origin, device: str, path: object, logged: bool = False) -> None:
+        """A load of `name` ended without an entry: said in the log (unless `logged` elsewhere) and
+        kept in the cache as a failure, which status, list, the status line and metrics show."""
+        if not logged:
+            log.error("cannot load %s: %s", name, reason)
+        self.cache.fail(name, reason, origin, device, str(path))
 
     async def admission(self, name: str, timeout: float) -> bool:
         """Wait until a configured model of that name being admitted (its headers read) is in the
@@ -174,6 +184,8 @@ class Residency:
                  len(manifest), ckpt.path, entry.device)
         started = time.monotonic()
         workers = self.state.config.daemon.load_workers or default_workers()
+        entry.load_phase = "allocating"
+        reporter = asyncio.ensure_future(self._report_progress(entry, started))
 
         def fill(arena: Arena) -> None:
             # The plan walks every tensor (a while for 10^5): in the worker, not on the loop. Cold
@@ -184,9 +196,12 @@ class Residency:
 
         try:
             entry.arena = await self._create(backend_for(entry.device), entry.device, entry.nbytes, entry.name)
-            allocated = time.monotonic()
+            allocated = entry.reading_since = time.monotonic()
+            entry.load_phase = "reading"
             await using(self._fill_pool, entry.arena, fill)
         except BaseException as e:
+            reporter.cancel()
+            entry.load_phase = ""
             ckpt.close()
             if not isinstance(e, Exception):  # cancelled (shutdown)
                 self.reclaim(self.cache.load_failed(entry))
@@ -198,9 +213,14 @@ class Residency:
                              entry.name)
                     return entry
                 raise NotFound(f"loading {entry.name} was cancelled: the entry was evicted") from None
-            if isinstance(e, WcdError):
+            error = e if isinstance(e, WcdError) else LoadFailed(f"loading {entry.name} failed: {e}")
+            if not replaced:  # logged as the task's failure (`wcd.server`), or answered to `wcdctl load --wait`
+                self.failed(entry.name, error.message, entry.origin, entry.device, entry.key.path, logged=True)
+            if error is e:
                 raise
-            raise LoadFailed(f"loading {entry.name} failed: {e}") from e
+            raise error from e
+        reporter.cancel()
+        entry.load_phase = ""
         ckpt.close()
         _free_headers(ckpt)
         seconds = time.monotonic() - started
@@ -213,6 +233,13 @@ class Residency:
         self.cache.loaded(entry)
         self._set_ready(entry)
         return entry
+
+    async def _report_progress(self, entry: Entry, started: float) -> None:
+        """A log line every LOAD_LOG_EVERY_S while `entry` loads: phase, bytes, rate, time left."""
+        while True:
+            await asyncio.sleep(LOAD_LOG_EVERY_S)
+            log.info("loading %s: %s (%s elapsed)", entry.name, describe_progress(entry.describe()["progress"]),
+                     format_duration(time.monotonic() - started))
 
     async def wait_ready(self, entry: Entry, timeout: float) -> Entry:
         """Wait until `entry` leaves loading/filling; `Busy` after `timeout`, `NotFound` if it went away."""
@@ -241,7 +268,7 @@ class Residency:
     # -- publishing -------------------------------------------------------------------------
 
     async def reserve(self, name: str, key: WeightCacheKey, manifest: Manifest, retention: Retention,
-                      owner: Any, pid: int, uid: int) -> Lease:
+                      owner: Any, pid: int, uid: int) -> LeaseRecord:
         """Admit a published entry (carrying `uid`) and allocate its empty arena: the fill lease,
         whose TTL starts when the caller hands it out (`Cache.handed_out`)."""
         backend = backend_for(key.device)
@@ -343,10 +370,14 @@ class Residency:
         tick = min(1.0, self.state.config.daemon.lease_ttl_s / 10)
         while True:
             await asyncio.sleep(tick)
-            expired, dropped = self.cache.expire()
-            for lease in expired:
-                log.info("lease %d on %s (pid %d) expired: no heartbeat", lease.id, lease.entry.name, lease.pid)
-            self.reclaim(dropped)
+            while True:  # in batches, letting the loop answer others in between; one log line each
+                expired, dropped = self.cache.expire(EXPIRY_BATCH)
+                if expired:
+                    log.info("%s", describe_expired(expired))
+                self.reclaim(dropped)
+                if len(expired) < EXPIRY_BATCH:
+                    break
+                await asyncio.sleep(0)
 
     async def _drop_loading(self, entry: Entry, failed_check: bool = False) -> bool:
         """Drop an entry whose load, or whose check after re-adoption, ended without making it
@@ -394,8 +425,10 @@ class Residency:
         entry, victims = self.cache.admit(rec.name, rec.key, Manifest.build(()), rec.arena_size, rec.retention,
                                           rec.origin, rec.publisher if rec.origin == "publish" else os.getuid(),
                                           adopted=True)
+        entry.asked_by = rec.asked_by
         # systemd still holds the fds: never store them twice
         entry.life = Life(phase="checking", adopted=(rec, fd), parked=True)
+        entry.load_phase = "checking"
         self.reclaim(victims)
         entry.notes = [adoption.ADOPTING_NOTE]
         codes = rec.manifest_wire.get("dtypes")
@@ -429,7 +462,7 @@ class Residency:
         if checked is None or gone():
             return
         entry.manifest, entry.notes = checked
-        entry.done_bytes = entry.manifest.nbytes
+        entry.done_bytes, entry.load_phase = entry.manifest.nbytes, ""
         entry.recorded_tensors = None
         if entry.state == "evicting":  # evicted while it was checked
             await self._drop_loading(entry)

@@ -37,7 +37,7 @@ from wcd.peers import peer_gids
 from wcd.refusals import Refusals
 from wcd.residency import RELEASE_WAIT_S, Residency
 from wcd.state import ServerState
-from wcd.units import counted, format_progress, format_size
+from wcd.units import counted, describe_progress, format_size
 
 log = logging.getLogger("wcd")
 
@@ -92,7 +92,8 @@ class Server:
         budgets, devices = device_budgets(config, self.config_path or "")
         counted = time.monotonic()
         cache = Cache(budgets, config.daemon.lease_ttl_s, max_entries=config.daemon.max_entries,
-                      max_entries_per_uid=config.daemon.max_entries_per_uid)
+                      max_entries_per_uid=config.daemon.max_entries_per_uid,
+                      max_leases_per_uid=config.daemon.max_leases_per_uid)
         self.state = ServerState(config, self.instance, cache, devices, self.started_at)
         self.state.where = self._where
         self.quotas = Quotas(self._limits(config), held_elsewhere=lambda: len(cache.entries))
@@ -183,6 +184,9 @@ class Server:
             self._notify("ready", f"reload failed: {e.message}"[:200])
             return
         fresh = {m.name: m for m in new.models}
+        for name, failure in list(cache.failures.items()):
+            if failure.origin == "config" and name not in fresh:
+                cache.forget_failure(name)  # its model left the config; a failed one still there is tried again below
         for name, model in old.items():
             if fresh.get(name) != model and name in cache.entries:
                 log.info("reload: %s was removed or changed; evicting it once its leases end, or its load "
@@ -201,6 +205,7 @@ class Server:
         cache.lease_ttl_s = new.daemon.lease_ttl_s
         cache.max_entries = new.daemon.max_entries
         cache.max_entries_per_uid = new.daemon.max_entries_per_uid
+        cache.max_leases_per_uid = new.daemon.max_leases_per_uid
         self.quotas.limits = self._limits(new)
         for model in fresh.values():
             if model.name not in cache.entries:
@@ -352,10 +357,15 @@ class Server:
         if loading:
             e = loading[0]
             more = f" (+{len(loading) - 1} more)" if len(loading) > 1 else ""
-            return f"loading {e.name} {format_progress(e.done_bytes, e.manifest.nbytes)}{more}"
+            return f"loading {e.name} {describe_progress(e.describe()['progress'])}{more}"
         held = sum(e.nbytes for e in cache.entries.values())
+        failed = ""
+        if cache.failures:
+            name, failure = next(reversed(cache.failures.items()))
+            more = f" (+{len(cache.failures) - 1} more)" if len(cache.failures) > 1 else ""
+            failed = f"; {name} failed: {failure.reason}{more}"
         return (f"serving {counted(len(cache.entries), 'entry')}, {counted(len(cache.leases), 'lease')}, "
-                f"{format_size(held)}")
+                f"{format_size(held)}{failed}")
 
     async def _report_status(self) -> None:
         last = ""

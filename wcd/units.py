@@ -1,11 +1,13 @@
 """Sizes for people and for config files: `parse_size` reads "64GiB", "1.5 TB" or "90%" of a
-device; `format_size` and `format_progress` print bytes in the unit that fits, `counted` a count
-with its noun. No wcd imports.
+device; `format_size` and `format_progress` print bytes in the unit that fits, `describe_progress`
+a load's phase, rate and time left, `format_duration` seconds, `counted` a count with its noun.
+No wcd imports.
 """
 
 from __future__ import annotations
 
 import re
+from typing import Any
 
 _UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9,
           "T": 10**12, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -54,6 +56,28 @@ def format_progress(done: int, total: int) -> str:
     scale, unit = _fitting_unit(total)
     digits = 0 if unit == "B" else 1
     return f"{100 * done // max(total, 1)}% {done / scale:.{digits}f}/{total / scale:.{digits}f} {unit}"
+
+
+def describe_progress(progress: dict[str, Any]) -> str:
+    """A load's progress (`Entry.describe()["progress"]`) for people: "reading 45% 1.7/3.8 GiB,
+    350.0 MiB/s, 6s left"; the phase first when the daemon names one."""
+    text = format_progress(progress["done"], progress["total"])
+    phase = progress.get("phase")
+    if progress.get("rate"):
+        text += f", {format_size(progress['rate'])}/s"
+        if progress.get("eta_s") is not None:
+            text += f", {format_duration(progress['eta_s'])} left"
+    return f"{phase} {text}" if phase else text
+
+
+def format_duration(seconds: float) -> str:
+    """Seconds for people: "45s", "3m05s", "2h10m"."""
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def _fitting_unit(n: float) -> tuple[int, str]:

@@ -110,8 +110,9 @@ def test_writer_fills_small_tensors_exactly_either_way(small_ckpt: Path, monkeyp
     from wcd.arenas import staging as lanes
     from wcd.checkpoint import Checkpoint
     from wcd.loader import Progress, fill_arena
+    from wcd.tuning import LoadTuning
 
-    backend = cuda.CudaBackend(staging_bytes=staging, staging_buffers=2, linger_s=0)
+    backend = cuda.CudaBackend(LoadTuning(staging_bytes=staging), linger_s=0)
     uuid = backend.canonical("cuda:0")
     with Checkpoint.open(small_ckpt) as ckpt:
         manifest = ckpt.manifest()

@@ -37,7 +37,7 @@ class Raw:
         Raw.opened.append(self)
         self.sock.connect(str(path))
         self.sock.settimeout(30)
-        self.dec = wire.FrameDecoder()
+        self.dec = wire.FrameDecoder(max_array=wire.MAX_REPLY_ARRAY)  # it reads replies
         self.ids = iter(range(1, 1 << 62))
         if hello:
             reply = self.call({"op": "hello", "versions": [2]})

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from tests.integration.peers import Raw
 from tests.integration.pings import assert_fast, pinging
 from wcd import wire
 from wcd.client import connect
+from wcd.metrics_http import MAX_CONNECTIONS
 
 NOBODY = 65534
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving files to another uid needs root")
@@ -49,6 +51,7 @@ def test_swapped_config_and_socket_leave_the_config_alone(tmp_path):
     out = serve(config, "--socket", str(config))  # the swap: --socket names the config file
     refused(out, 2, f"{config} is a regular file, not a socket")
     assert config.read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["wcd.toml"]  # no lock file left either
 
 
 def test_a_symlink_at_the_socket_path_is_not_replaced(tmp_path):
@@ -254,3 +257,74 @@ def test_a_request_trickled_a_byte_a_second_is_cut_off_at_the_frame_deadline(mak
     words = a.last_words(timeout=1)
     assert words is not None and "frame_timeout_s" in words["error"]["message"], (closed_after, words)
     assert 2 <= closed_after < 4.5, closed_after
+
+
+# -- item 11: clients that trickle an HTTP request head ----------------------------------------------
+
+TRICKLERS = r"""
+import selectors, socket, sys, time
+host, port, n, seconds, again = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
+head = b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + b"X-Slow: " + b"y" * 4000  # never ends with an empty line
+sel, sent = selectors.DefaultSelector(), {}
+
+def connect():
+    s = socket.socket()
+    s.setblocking(False)
+    try:
+        s.connect((host, port))
+    except BlockingIOError:
+        pass
+    sent[s] = 0
+    sel.register(s, selectors.EVENT_READ)
+
+for _ in range(n):
+    connect()
+print("trickling", flush=True)
+end, last = time.monotonic() + seconds, 0.0
+while time.monotonic() < end:
+    for key, _ in sel.select(0.1):  # readable: answered (408) or closed; come back at once if `again`
+        sel.unregister(key.fileobj)
+        del sent[key.fileobj]
+        key.fileobj.close()
+        if again == "again":
+            connect()
+    if time.monotonic() - last > 0.5:  # a byte from each, every half second
+        last = time.monotonic()
+        for s in list(sent):
+            try:
+                s.send(head[sent[s]:sent[s] + 1])
+                sent[s] += 1
+            except OSError:
+                pass
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("tricklers", "again"), [(60, "again"), (MAX_CONNECTIONS + 60, "once")])
+def test_scrapes_are_answered_while_clients_trickle_their_heads(make_daemon, tricklers, again):
+    """60 clients that come back as soon as they are cut off (16 held every slot before), and more
+    than there are slots, the oldest of which make room for each scrape."""
+    d = make_daemon('metrics_listen = "127.0.0.1:0"\n')
+    url = re.search(r"metrics on (http://\S+)", d.log.read_text()).group(1)  # said before READY
+    host, port = url.split("/")[2].rsplit(":", 1)
+    proc = subprocess.Popen([sys.executable, "-c", TRICKLERS, host, port, str(tricklers), "60", again],
+                            stdout=subprocess.PIPE, text=True)
+    answered = 0
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "trickling"
+        time.sleep(1.0)  # every slot they can take is taken
+        with pinging(d, tail_s=0.2) as pings:
+            for _ in range(20):
+                try:
+                    with urllib.request.urlopen(url, timeout=3) as r:
+                        answered += r.status == 200 and b"wcd_" in r.read()
+                except OSError:
+                    pass
+                time.sleep(0.2)
+        assert proc.poll() is None  # still trickling throughout
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+    assert_fast(pings)
+    assert answered == 20

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+import time
 from typing import Any
 
 import pytest
 
-from wcd.cache import Cache, Entry
+from wcd.cache import Cache, Entry, LeaseRecord, describe_expired
 from wcd.errors import BadRequest, Busy, KeyMismatch, LeaseExpired, NotFound, OutOfMemory, PermissionDenied
 from wcd.key import WeightCacheKey
 from wcd.manifest import Manifest
@@ -548,8 +550,38 @@ def test_describe(cache: Cache, clock: Clock) -> None:
                               "acquires")} == {
         "name": "e", "state": "ready", "bytes": 300, "device": "cpu", "leases": 1, "retention": "pinned",
         "origin": "load", "tensors": 2, "acquires": 1}
-    assert d["progress"] == {"done": 0, "total": MANIFEST.nbytes}
+    assert d["progress"] == {"done": 0, "total": MANIFEST.nbytes, "phase": ""}
     assert d["key"]["model"] == "e"
+
+
+def test_progress_while_reading_has_rate_and_time_left(cache: Cache) -> None:
+    e = admit(cache, "e", 300, ready=False)
+    e.load_phase, e.reading_since, e.done_bytes = "reading", time.monotonic() - 2.0, MANIFEST.nbytes // 4
+    p = e.describe()["progress"]
+    assert p["phase"] == "reading" and p["done"] == MANIFEST.nbytes // 4
+    assert p["rate"] == pytest.approx(MANIFEST.nbytes / 8, rel=0.2)
+    assert p["eta_s"] == pytest.approx(6.0, rel=0.2)
+
+
+def test_a_failed_load_is_kept_until_the_name_is_admitted_again(cache: Cache) -> None:
+    cache.fail("t", "t.safetensors is truncated", "config", "cpu", "/m/t.safetensors")
+    d = cache.failures["t"].describe()
+    assert d["state"] == "failed" and d["reason"] == "t.safetensors is truncated" and d["bytes"] == 0
+    assert d["failed_at"].endswith("+00:00") and cache.stats["load_failures"] == 1
+    with pytest.raises(NotFound, match="'t' failed to load at .*: t.safetensors is truncated") as info:
+        cache.find("t")
+    assert info.value.details["state"] == "failed"
+    admit(cache, "t", 100)
+    assert "t" not in cache.failures and cache.find("t").state == "ready"
+    cache.fail("u", "gone", "load", "cpu", "/u")
+    assert cache.forget_failure("u") is not None and not cache.failures
+
+
+def test_failures_are_bounded_by_max_entries(clock: Clock) -> None:
+    cache = Cache({"cpu": 1000}, TTL, clock=clock, max_entries=3)
+    for i in range(5):
+        cache.fail(f"m{i}", "bad", "load", "cpu", "/x")
+    assert list(cache.failures) == ["m2", "m3", "m4"]  # the oldest go first
 
 
 # -- indexes: what a peer can make the daemon do stays proportional to its own share ---------------
@@ -659,6 +691,61 @@ def test_one_key_from_two_publishers_does_not_collide(cache: Cache) -> None:
     assert cache.evict(own) == [own] and cache.find(k, (1001,)) is squat
 
 
+# -- leases: bounded per uid, listed in pages, expired in batches ---------------------------------
+
+
+def test_leases_per_uid_are_bounded_and_the_daemons_holds_are_not_counted(clock: Clock) -> None:
+    cache = Cache({"cpu": 1000}, TTL, clock=clock, max_leases_per_uid=3)
+    e = admit(cache, "e", 1)
+    for owner in ("a", "a", "b"):  # over two connections of one uid
+        cache.acquire(e, owner, uid=1001)
+    with pytest.raises(Busy, match="uid 1001 holds 3 leases, the daemon's max_leases_per_uid"):
+        cache.acquire(e, "c", uid=1001)
+    with pytest.raises(Busy, match="max_leases_per_uid"):
+        cache.reserve("p", key("p", transform="t"), MANIFEST, 1, "cached", "c", uid=1001)
+    assert "p" not in cache.entries and e.acquires == 3
+    cache.acquire(e, "d", uid=1002)
+    cache.acquire(e, object(), uid=1001, ttl_s=math.inf)  # the daemon's own hold, e.g. a verify
+    cache.drop_owner("b")
+    cache.acquire(e, "c", uid=1001)
+
+
+def test_leases_are_listed_a_page_at_a_time(cache: Cache) -> None:
+    e = admit(cache, "e", 1)
+    mine = [cache.acquire(e, "a", uid=1001).id if i % 2 else cache.acquire(e, "b", uid=1002).id for i in range(7)]
+    everyone = sorted(cache.leases)
+    seen, after = [], 0
+    while True:
+        page, after = cache.leases_page(None, after, 3)  # type: ignore[assignment]
+        seen += [lease.id for lease in page]
+        if after is None:
+            break
+    assert seen == everyone
+    page, cursor = cache.leases_page(1001, 0, 2)
+    assert [lease.id for lease in page] == [i for i in mine if cache.leases[i].uid == 1001][:2]
+    rest, end = cache.leases_page(1001, cursor, 10)  # type: ignore[arg-type]
+    assert {lease.uid for lease in page + rest} == {1001} and end is None and len(page + rest) == 3
+    assert cache.leases_page(4242, 0, 10) == ([], None)
+
+
+def test_leases_expire_in_batches_and_are_told_in_one_line(cache: Cache, clock: Clock) -> None:
+    a, b = admit(cache, "a", 1), admit(cache, "b", 1)
+    for i in range(10):
+        cache.acquire(a if i < 7 else b, f"c{i}", pid=100 + i, uid=1001)
+    clock.tick(TTL + 1)
+    batches = []
+    while True:
+        expired, _ = cache.expire(4)
+        batches.append(len(expired))
+        if len(expired) < 4:
+            break
+    assert batches == [4, 4, 2] and not cache.leases and cache.stats["lease_expiries"] == 10
+    one = LeaseRecord(1, a, "read", "x", 7, 1001, 0.0)
+    assert describe_expired([one]) == "lease 1 on a (pid 7, uid 1001) expired: no heartbeat"
+    many = [LeaseRecord(i, a if i < 7 else b, "read", "x", i, 1001 + i % 2, 0.0) for i in range(10)]
+    assert describe_expired(many) == "10 leases expired, no heartbeat: 7 on a, 3 on b (uids 1001, 1002)"
+
+
 def test_memory_still_mapped_outside_the_cache_counts_against_its_device(cache: Cache, clock: Clock) -> None:
     """What reclaimed arenas still take (mapped by processes whose leases ended) leaves less room:
     candidates are evicted for it, and past that the refusal says where the memory is."""
@@ -674,3 +761,21 @@ def test_memory_still_mapped_outside_the_cache_counts_against_its_device(cache: 
     assert "300 B by processes still mapping entries that are gone" in info.value.message
     outside["cpu"] = 0  # they dropped their views
     cache.admit("c", key("c"), MANIFEST, 301, "cached", "load")
+
+
+def test_who_asked_for_a_load_survives_parking(cache: Cache) -> None:
+    """The fd store's record keeps `asked_by`, and the entry's fd names are its publisher's."""
+    import os
+
+    from wcd import parking
+
+    entry = admit(cache, "e", 1)
+    entry.asked_by, entry.publisher = 1237, 0
+    entry.arena = type("A", (), {"kind": "host", "size": 4096})()
+    fd = parking.record_memfd(entry)
+    try:
+        rec = parking.parse_record(fd)
+    finally:
+        os.close(fd)
+    assert (rec.asked_by, rec.publisher, rec.origin) == (1237, 0, "load")
+    assert parking.fd_names(entry.key, 0) != parking.fd_names(entry.key, 1237)

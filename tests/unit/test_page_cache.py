@@ -19,6 +19,7 @@ from wcd.arenas.host import HostArena
 from wcd.checkpoint import Checkpoint
 from wcd.loader import ADVICE_BYTES, Progress, fill_arena, read_ahead
 from wcd.pagecache import cached_fraction, resident
+from wcd.tuning import LoadTuning
 
 
 @pytest.fixture
@@ -253,13 +254,14 @@ def test_fill_arena_reads_ahead_while_the_writer_is_made_and_stops_then_even_whe
         events.append("ahead stopped" if stop.wait(5) else "ahead ran on")
 
     class NoWriter:
+        tuning = LoadTuning(read_ahead_bytes=1 << 20)
+
         def writer(self) -> None:
             time.sleep(0.1)
             events.append("writer")
             raise RuntimeError("no writer")
 
     monkeypatch.setattr(wcd.loader, "read_ahead", slow_read_ahead)
-    monkeypatch.setattr(wcd.loader, "READ_AHEAD_BYTES", 1 << 20)
     monkeypatch.setattr(wcd.loader, "cached_fraction", lambda fd: 0.0)
     with Checkpoint.open(_shards(tmp_path, [4096])) as ckpt:
         manifest = ckpt.manifest()

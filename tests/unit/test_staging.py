@@ -18,6 +18,7 @@ from unittest import mock
 import pytest
 
 from tests.unit.fake_cuda import CUDA_MODULES, ArenaModules, forget_cuda_modules, held_calls
+from wcd.tuning import LoadTuning
 
 
 @pytest.fixture
@@ -82,7 +83,7 @@ def cuda(cuda_module: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def staging(cuda: Any, linger_s: float) -> Any:
-    return cuda.Staging(cuda.Gpu(0, "GPU-x", "test"), 4 << 20, 2, linger_s)
+    return cuda.Staging(cuda.Gpu(0, "GPU-x", "test"), LoadTuning(), linger_s)
 
 
 def test_concurrent_prepares_pin_at_most_the_pool(cuda: Any) -> None:
@@ -297,7 +298,7 @@ def test_an_exclusive_process_gpu_keeps_nothing_after_a_load_and_says_so_once(
     s.prepare(1)  # its admission failed: nothing takes it over
     time.sleep(0.5)
     assert not s.held and cuda.state.contexts == 0
-    other = cuda.Staging(cuda.Gpu(1, "GPU-y", "test"), 4 << 20, 2, 30)  # default mode: lingers
+    other = cuda.Staging(cuda.Gpu(1, "GPU-y", "test"), LoadTuning(), 30)  # default mode: lingers
     other.open()
     other.close()
     assert other.held and other._timer is not None and other._timer.interval == 30
@@ -422,7 +423,7 @@ def test_cold_reads_direct_by_config_go_through_an_o_direct_descriptor_closed_wi
     w.hint(cold, 0.0)
     w.copy_from_file(warm, 0, 0, 4096)
     w.copy_from_file(cold, 0, 4096, 4096)
-    # warm: one staging buffer per read; cold: O_DIRECT reads of DIRECT_READ_BYTES (512 KiB)
+    # warm: one staging buffer per read; cold: O_DIRECT reads of `direct_read_bytes` (512 KiB)
     assert writer_parts.copies == [(warm, 4096, 4 << 20), ("direct", os.fstat(cold).st_ino, 4096, 512 << 10)]
     w.close()
     assert not _direct_fds_of(os.fstat(cold).st_ino), "the writer left its O_DIRECT descriptor open"
@@ -433,19 +434,19 @@ def test_cold_reads_direct_by_config_go_through_an_o_direct_descriptor_closed_wi
     writer_parts.staging.release()
 
 
-@pytest.mark.parametrize(("direct_read_bytes", "read"), [(1 << 20, 1 << 20), (0, 16 << 20)])
+@pytest.mark.parametrize(("direct_read_bytes", "read"), [(1 << 20, 1 << 20), (16 << 20, 16 << 20)])
 def test_direct_reads_span_at_most_direct_read_bytes_in_ops_of_the_cold_read_size(
         cuda: Any, writer_parts: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, direct_read_bytes: int,
         read: int) -> None:
-    """DIRECT_READ_BYTES tiles ops in O_DIRECT reads of that size (0: a whole op); the ops stay
-    COLD_READ_BYTES."""
+    """`direct_read_bytes` tiles ops in O_DIRECT reads of that size (as large as `cold_read_bytes`:
+    one read per op); the ops stay `cold_read_bytes`."""
     import os
 
-    monkeypatch.setattr(cuda, "DIRECT_READ_BYTES", direct_read_bytes)
+    monkeypatch.setattr(writer_parts.staging, "tuning", LoadTuning(direct_read_bytes=direct_read_bytes))
     monkeypatch.setattr(cuda, "resident", lambda fd, offset, nbytes: False)
     w, cold = _direct_writer(cuda, writer_parts, tmp_path)
     w.hint(cold, 0.0)
-    assert w.batch_bytes(cold) == cuda.COLD_READ_BYTES == 16 << 20
+    assert w.batch_bytes(cold) == LoadTuning().cold_read_bytes == 16 << 20
     w.copy_from_file(cold, 0, 0, 4096)
     assert writer_parts.copies == [("direct", os.fstat(cold).st_ino, 4096, read)]
     w.close()
@@ -471,7 +472,7 @@ def test_ops_of_a_direct_file_that_the_page_cache_holds_are_read_from_it(
     w.copy_from_file(cold, 0, 0, 8192)
     w.copy_from_file(cold, 8192, 8192, 4096)
     assert asked == [(cold, 0, 8192), (cold, 8192, 4096)]  # the buffered descriptor's pages
-    assert writer_parts.copies == [(cold, 8192, cuda.STAGING_BYTES), ("direct", os.fstat(cold).st_ino, 4096, 512 << 10)]
+    assert writer_parts.copies == [(cold, 8192, 4 << 20), ("direct", os.fstat(cold).st_ino, 4096, 512 << 10)]
     w.close()
     os.close(cold)
     writer_parts.staging.release()
@@ -488,7 +489,7 @@ def test_ops_of_a_direct_file_within_what_was_read_ahead_are_read_from_the_page_
     w.hint(cold, 0.0, (100, 100 + 8192))
     w.copy_from_file(cold, 100, 0, 8192)
     w.copy_from_file(cold, 100 + 4096, 8192, 8192)
-    assert writer_parts.copies == [(cold, 8192, cuda.STAGING_BYTES), ("direct", os.fstat(cold).st_ino, 8192, 512 << 10)]
+    assert writer_parts.copies == [(cold, 8192, 4 << 20), ("direct", os.fstat(cold).st_ino, 8192, 512 << 10)]
     w.close()
     os.close(cold)
     writer_parts.staging.release()
@@ -654,7 +655,6 @@ def gpu_arena(cuda: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Any:
 
     monkeypatch.setattr(cuda, "Lane", cuda.state.Lane)
     monkeypatch.setattr(loader, "DIGEST_CHUNK", 64 << 10)
-    monkeypatch.setattr(cuda, "READ_WINDOW", 20_000)
     data = os.urandom(1 << 20)
     driver = FakeDriver(cuda, data, monkeypatch)
 
@@ -673,7 +673,7 @@ def gpu_arena(cuda: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Any:
     for i in range(300):
         ranges.append((f"s.{i}", at, 1000 + i, (fd, 6 + at)))
         at += 1280 + i // 256 * 256
-    s = staging(cuda, 30)
+    s = cuda.Staging(cuda.Gpu(0, "GPU-x", "test"), LoadTuning(read_window=20_000), 30)
     arena = cuda.CudaArena(s.gpu, len(data), object(), os.open(os.devnull, os.O_RDONLY), s, "fake")
 
     def scheme(name: str) -> str:

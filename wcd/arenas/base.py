@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from wcd.errors import NotFound
+from wcd.tuning import DEFAULT, LoadTuning
 
 if TYPE_CHECKING:  # not at run time: clients import this module, and need no checkpoint code
     from wcd.checkpoint import Run
@@ -161,6 +162,7 @@ class Arena(ABC):
     kind: str  # "host" or "cuda": tells the client how to map the fd
     device: str  # canonical device id
     size: int  # bytes allocated (manifest size rounded up to the backend's granularity)
+    tuning: LoadTuning = DEFAULT  # its backend's: how loads into it read and copy
     _users = 0  # workers inside `in_use` (class defaults: backends need not call a base __init__)
     _closing = False
 
@@ -232,6 +234,8 @@ class Arena(ABC):
 
 
 class ArenaBackend(ABC):
+    tuning: LoadTuning = DEFAULT  # what its arenas' loads are built with (`wcd.arenas.set_tuning`)
+
     @abstractmethod
     def canonical(self, device: str) -> str:
         """The stable identity of `device` ("cpu", or the GPU UUID for "cuda:N")."""

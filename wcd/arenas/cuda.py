@@ -37,28 +37,17 @@ from wcd.arenas.cuda_driver import (
 )
 from wcd.arenas.cudrv import Gpu
 from wcd.arenas.direct_io import REFUSALS, open_direct, warn_buffered
-from wcd.arenas.staging import LINGER_S, STAGING_BUFFERS, STAGING_BYTES, Lane, Staging, scatter_pays
+from wcd.arenas.staging import LINGER_S, Lane, Staging, scatter_pays
 from wcd.checkpoint import Run
 from wcd.errors import BadRequest, Internal, OutOfMemory
 from wcd.manifest import align_up
 from wcd.pagecache import LOADING, Inodes, drop_files_later, resident
+from wcd.tuning import DEFAULT, LoadTuning
 from wcd.units import format_size
 
 log = logging.getLogger("wcd")
 
-# verify's device-to-host copies (`CudaReader.windows`), into a lane's buffers: cache-sized, so the
-# hashing of one overlaps the copy of the next even in lanes that cold reads grew to 16 MiB.
-READ_WINDOW = 4 << 20
 WARM_FRACTION = 0.9  # a file with at least this much in the page cache is read as warm
-# At most this much in one O_DIRECT read (0: a whole op). Ops stay COLD_READ_BYTES, so each op is
-# read in equal spans across its tensors: the blocks fastsafetensors reads (its nogds reader: a
-# 16 MiB bounce budget over 16 threads x 2). On the H200 machines, with the copies keeping the GIL
-# (`HeldCalls`), 512 KiB spans beat buffered 16 MiB reads at 16 GB (7.29 s against 8.54, two
-# rounds) and at 1.6 GB (copy phase 0.857 s against 0.940, five); whole 16 MiB O_DIRECT reads had
-# lost to buffered ones (11.77 s against 10.24): 16 threads kept ~145 requests in flight. So did
-# two O_DIRECT reads in flight per thread through Linux AIO (b2a9445; 16 GB: 8.23 s against 6.63,
-# queue 24 against 13): that disk serves less per second with more than ~16 reads queued.
-DIRECT_READ_BYTES = 512 << 10
 DROP_FRACTION = 0.02  # below this (the header and fingerprint samples this load read), it was not cached
 
 
@@ -66,12 +55,12 @@ class CudaWriter(ArenaWriter):
     """Fills an arena from files: each loader thread preads into its lane's pinned buffers and
     copies them to the arena (mapped read-write here for the fill) on the lane's stream.
 
-    Files mostly in the page cache are read in cache-sized pieces; the others in ops of
-    COLD_READ_BYTES, read with O_DIRECT in DIRECT_READ_BYTES spans (`cold_reads = "direct"`, the
-    default, where the file system allows it) or buffered, one read per op. A file that
-    was not in the page cache at all is dropped from it again when the writer closes (its header,
-    and everything where reads were buffered): once per file, because dropping each range as it
-    was read made the H200 machine's buffered cold fill 20% slower (1.63 against 2.06 GB/s).
+    Files mostly in the page cache are read in cache-sized pieces; the others in ops of the
+    tuning's `cold_read_bytes`, read with O_DIRECT in `direct_read_bytes` spans (`cold_reads =
+    "direct"`, the default, where the file system allows it) or buffered, one read per op. A file
+    that was not in the page cache at all is dropped from it again when the writer closes (its
+    header, and everything where reads were buffered): once per file, since dropping each range as
+    it is read slows a buffered cold fill down.
     """
 
     def __init__(self, arena: CudaArena, staging: Staging) -> None:
@@ -112,8 +101,8 @@ class CudaWriter(ArenaWriter):
                 self._drop[fd] = inode
 
     def batch_bytes(self, fd: int) -> int | None:
-        """One read's bytes: cold files' ops of small tensors are gathered in COLD_READ_BYTES reads
-        too (4 MiB reads of a cold file left the H200 machine's disk at 1.50 GB/s, 16 MiB at 1.68)."""
+        """One read's bytes: cold files' ops of small tensors are gathered in `cold_read_bytes` reads
+        too (a disk serves a cold file faster in larger reads)."""
         return self._reads.get(fd)
 
     def _lane(self) -> Lane:
@@ -152,7 +141,7 @@ class CudaWriter(ArenaWriter):
         elif direct is not None:
             try:
                 self._lane().copy_direct(direct, file_offset, dst, nbytes,
-                                         min(read_bytes, DIRECT_READ_BYTES or read_bytes))
+                                         min(read_bytes, self._staging.tuning.direct_read_bytes))
                 return
             except OSError as e:  # a file system that opens with O_DIRECT but will not read so
                 if e.errno not in REFUSALS:
@@ -214,7 +203,7 @@ class CudaReader(ArenaReader):
     loads and verifies: pinning costs ~0.4 s per GiB), taken at the first read and given back at
     `close`; the reader holds the staging open meanwhile, so it lingers after a verify as after a load.
 
-    `windows` copies READ_WINDOW bytes at a time, round the lane's buffers on its stream: the next
+    `windows` copies the tuning's `read_window` bytes at a time, round the lane's buffers on its stream: the next
     window (and, told the next span, that span's first) is on its way while the caller hashes
     this one. A lane whose copies failed is closed at `close`, never pooled.
     """
@@ -242,7 +231,7 @@ class CudaReader(ArenaReader):
     def windows(self, offset: int, nbytes: int, then: tuple[int, int] | None = None) -> Iterator[memoryview]:
         _, src = self._cuda_arena._source(offset, nbytes)
         lane = self._take()
-        step = min(lane.nbytes, READ_WINDOW)
+        step = min(lane.nbytes, self._staging.tuning.read_window)
         parts = [(src + pos, min(step, nbytes - pos)) for pos in range(0, nbytes, step)]
         queued: list[tuple[int, int]] = []  # (buffer, bytes) of the copies this call issued, in order
         ahead, self._ahead = self._ahead, None
@@ -326,6 +315,7 @@ class CudaArena(Arena):
         self._handle = handle
         self._fd = fd
         self._staging = staging
+        self.tuning = staging.tuning
         self._lock = threading.Lock()
         self._reader: VaMapping | None = None
         self._reader_ctx: Any = None
@@ -433,10 +423,9 @@ class CudaArena(Arena):
 
 
 class CudaBackend(ArenaBackend):
-    def __init__(self, staging_bytes: int = STAGING_BYTES, staging_buffers: int = STAGING_BUFFERS,
-                 linger_s: float = LINGER_S) -> None:
+    def __init__(self, tuning: LoadTuning = DEFAULT, linger_s: float = LINGER_S) -> None:
         gpus()  # fail early, with one clear line, when there is no driver
-        self._shape = (staging_bytes, staging_buffers)
+        self.tuning = tuning
         self._linger_s = linger_s
         self._direct_reads = False
         self._stagings: dict[int, Staging] = {}
@@ -446,7 +435,7 @@ class CudaBackend(ArenaBackend):
         with self._lock:
             staging = self._stagings.get(gpu.ordinal)
             if staging is None:
-                staging = self._stagings[gpu.ordinal] = Staging(gpu, *self._shape, self._linger_s)
+                staging = self._stagings[gpu.ordinal] = Staging(gpu, self.tuning, self._linger_s)
                 staging.direct_reads = self._direct_reads
             return staging
 

@@ -265,7 +265,9 @@ class HostBackend(ArenaBackend):
         return align_up(nbytes, PAGE)
 
     def create(self, device: str, size: int, label: str) -> HostArena:
-        return HostArena(size, label)
+        arena = HostArena(size, label)
+        arena.tuning = self.tuning
+        return arena
 
     def adopt(self, fd: int, device: str, size: int, label: str) -> HostArena:
         problem = memfd_problem(fd, size, SEALS)

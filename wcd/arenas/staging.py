@@ -33,18 +33,10 @@ from wcd.arenas.cudrv import Gpu
 from wcd.arenas.direct_io import DIRECT_ALIGN, pread_direct
 from wcd.checkpoint import Run
 from wcd.errors import WcdError
+from wcd.tuning import LoadTuning
 
 log = logging.getLogger("wcd")
 
-# Pinned staging buffers, two per loader thread (read into one while the other is being copied).
-# Files mostly in the page cache are read one buffer (STAGING_BYTES) at a time: on the H200 machine
-# here 16 threads x 4 MiB reads filled 16 GB at 46 GB/s (8 MiB: 41, 16 MiB: 37; cache-sized copies
-# win). Files mostly not in it are planned in ops of COLD_READ_BYTES, read through O_DIRECT in
-# DIRECT_READ_BYTES spans (below), or buffered one op at a time (`cold_reads = "buffered"`: 16 MiB
-# reads from 16 threads read that disk at 1.89 GB/s, against 1.44 GB/s with 8 x 4 MiB).
-STAGING_BYTES = 4 << 20  # a lane's buffers grow to COLD_READ_BYTES at its first buffered cold read
-STAGING_BUFFERS = 2
-COLD_READ_BYTES = 16 << 20
 # Lanes (a stream and its pinned buffers) kept per GPU between loads, and for how long after the
 # last load by default; `configure` sets the latter from the daemon's config.
 POOLED_LANES = 32
@@ -53,18 +45,11 @@ LINGER_S = 30.0
 # from creating its own, nothing lingers after a load; only what `prepare` set up for the load
 # about to start waits for it, and at most this long (an admission can fail after its prepare).
 EXCLUSIVE_PREPARED_S = 5.0
-# A loader thread asks whether its next buffer's last copy has finished (a `cuEventQuery` that
-# keeps the GIL) before it waits for that copy (`cuEventSynchronize`, which gives the GIL up and
-# then queues behind the other threads to take it back). The copy of a buffer's few hundred KiB
-# ends long before the thread's next read does, so the wait is nearly always for nothing (the
-# H200's 1.6 GB cold loads: 0.27-0.41 thread-seconds of such waits per load before, none after;
-# the clock did not move beyond its noise). False: always wait (bench_load's "wcd-sync").
-QUERY_FIRST = True
 
 
 # `CudaWriter.copy_scattered` copies runs in 2D (a driver call each, ~a few us) rather than gathering
 # them with preadv (a Python slice and an iovec per piece, ~0.3 us) when runs hold at least this many
-# pieces on average, and each row of a 2D copy is at least this wide. Not yet measured on a GPU.
+# pieces on average, and each row of a 2D copy is at least this wide (estimates from those costs).
 SCATTER_PIECES_PER_COPY = 8
 SCATTER_MIN_ROW = 1024
 
@@ -132,14 +117,16 @@ class Lane:
             self._grow(read_bytes)
 
     def _next(self) -> int:
-        """The next buffer in turn, once the copy that last used it has finished."""
+        """The next buffer in turn, once the copy that last used it has finished. Asked first with
+        a query that keeps the GIL (`HeldCalls`): that copy nearly always ended long before this
+        thread's next read did, and `cuEventSynchronize` gives the GIL up, then queues behind the
+        other loader threads to take it back."""
         i, self.turn = self.turn, (self.turn + 1) % len(self.ptrs)
-        if QUERY_FIRST:
-            err = held().event_query(self.events[i])
-            if err == SUCCESS:
-                return i
-            if err != NOT_READY:
-                check_held(err, "cuEventQuery")
+        err = held().event_query(self.events[i])
+        if err == SUCCESS:
+            return i
+        if err != NOT_READY:
+            check_held(err, "cuEventQuery")
         start = time.perf_counter()
         check(cuda.cuEventSynchronize(self.events[i]), "cuEventSynchronize")
         self.waiting += time.perf_counter() - start
@@ -294,10 +281,11 @@ class Staging:
     EXCLUSIVE_PREPARED_S): engines could not create their context there meanwhile.
     """
 
-    def __init__(self, gpu: Gpu, lane_bytes: int, lane_buffers: int, linger_s: float) -> None:
+    def __init__(self, gpu: Gpu, tuning: LoadTuning, linger_s: float) -> None:
         self.gpu = gpu
+        self.tuning = tuning
         self.linger_s = linger_s
-        self._lane_shape = (lane_bytes, lane_buffers)
+        self._lane_shape = (tuning.staging_bytes, tuning.staging_buffers)
         self._lock = threading.Lock()
         self._lane_made = threading.Condition(self._lock)
         self._ctx: Any = None
@@ -469,9 +457,9 @@ class Staging:
     @property
     def cold_read(self) -> int:
         """Bytes per op of a file not in the page cache, and per buffered read of it (a lane grows
-        its buffers to it then; O_DIRECT reads it in DIRECT_READ_BYTES spans, in the buffers a
+        its buffers to it then; O_DIRECT reads it in `direct_read_bytes` spans, in the buffers a
         lane has)."""
-        return COLD_READ_BYTES
+        return self.tuning.cold_read_bytes
 
     @property
     def held(self) -> bool:
