@@ -99,6 +99,9 @@ class Entry:
     acquires: int = 0
     notes: list[str] = field(default_factory=list)  # shown in status, e.g. "checkpoint missing"
     publisher: int | None = None  # uid whose bytes these are: the daemon's for its loads
+    # The uid whose `load` of a path made the entry (an admin's, perhaps not the daemon's): its bytes
+    # are what that uid pointed the daemon at. None for configured models and publishes.
+    asked_by: int | None = None
     # Re-adopted after a restart, until checked: the tensor count its record gives (status shows
     # it meanwhile; the manifest is an empty stand-in until the record's is validated).
     recorded_tensors: int | None = None
@@ -124,6 +127,7 @@ class Entry:
             "retention": self.retention,
             "origin": self.origin,
             "publisher_uid": self.publisher,
+            "asked_by": self.asked_by,
             "tensors": len(self.manifest) if self.recorded_tensors is None else self.recorded_tensors,
             "progress": self._progress(),
             "acquires": self.acquires,

@@ -280,6 +280,8 @@ async def load(ctx: Context, conn: Connection, req: protocol.Load) -> None:
             ctx.residency.failed(req.name, f"{e.message} (wcdctl load by uid {conn.uid})",
                                  "config" if req.path is None else "load", device, path)
             raise
+        if req.path is not None:  # bytes the asker chose, not the daemon's config
+            entry.asked_by = conn.uid
         admitted = time.monotonic()
         task = ctx.residency.start_fill(entry)
         if req.wait:
@@ -325,7 +327,7 @@ def _send_lease(ctx: Context, conn: Connection, req_id: int, lease: LeaseRecord)
     ctx.state.cache.handed_out(lease)
     conn.send(protocol.ok(
         req_id, lease=lease.id, kind=lease.kind, entry=entry.name, key=entry.key.model_dump(),
-        origin=entry.origin, publisher_uid=entry.publisher,
+        origin=entry.origin, publisher_uid=entry.publisher, asked_by=entry.asked_by,
         manifest=entry.manifest.wire(), ttl_s=ctx.state.cache.lease_ttl_s,
         arena={"kind": arena.kind, "size": arena.size, "device": arena.device}), [arena.fd()])
 

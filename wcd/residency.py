@@ -437,6 +437,7 @@ class Residency:
         entry, victims = self.cache.admit(rec.name, rec.key, Manifest.build(()), rec.arena_size, rec.retention,
                                           rec.origin, rec.publisher if rec.origin == "publish" else os.getuid(),
                                           adopted=True)
+        entry.asked_by = rec.asked_by
         # systemd still holds the fds: never store them twice
         entry.life = Life(phase="checking", adopted=(rec, fd), parked=True)
         entry.load_phase = "checking"

@@ -73,6 +73,7 @@ class Rec:
     retention: str = "cached"
     origin: str = "publish"
     publisher: int = 0
+    asked_by: int | None = None
     gate: threading.Event | None = None
     manifest_wire: dict[str, Any] = field(default_factory=lambda: Manifest.build([("w", "F32", [4])]).to_wire())
 

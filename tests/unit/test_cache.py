@@ -761,3 +761,21 @@ def test_memory_still_mapped_outside_the_cache_counts_against_its_device(cache: 
     assert "300 B by processes still mapping entries that are gone" in info.value.message
     outside["cpu"] = 0  # they dropped their views
     cache.admit("c", key("c"), MANIFEST, 301, "cached", "load")
+
+
+def test_who_asked_for_a_load_survives_parking(cache: Cache) -> None:
+    """The fd store's record keeps `asked_by`, and the entry's fd names are its publisher's."""
+    import os
+
+    from wcd import parking
+
+    entry = admit(cache, "e", 1)
+    entry.asked_by, entry.publisher = 1237, 0
+    entry.arena = type("A", (), {"kind": "host", "size": 4096})()
+    fd = parking.record_memfd(entry)
+    try:
+        rec = parking.parse_record(fd)
+    finally:
+        os.close(fd)
+    assert (rec.asked_by, rec.publisher, rec.origin) == (1237, 0, "load")
+    assert parking.fd_names(entry.key, 0) != parking.fd_names(entry.key, 1237)
