@@ -48,9 +48,9 @@ from wcd.errors import BadRequest, Busy, KeyMismatch, LeaseExpired, NotFound, Ou
 from wcd.key import WeightCacheKey
 from wcd.manifest import Manifest
 from wcd.units import format_size
+from wcd.wire import Retention
 
 State = Literal["loading", "filling", "ready", "evicting"]
-Retention = Literal["pinned", "cached", "ephemeral"]
 LeaseKind = Literal["read", "fill"]
 Origin = Literal["config", "load", "publish"]
 
@@ -61,7 +61,9 @@ NEAR_MISS_CANDIDATES = 16  # entries of the same model a key_mismatch compares t
 
 
 @dataclass(eq=False)
-class Lease:
+class LeaseRecord:
+    """The daemon's record of one lease (an engine holds its side as `wcd.client.Lease`)."""
+
     id: int
     entry: Entry
     kind: LeaseKind
@@ -84,7 +86,7 @@ class Entry:
     state: State
     created_at: float
     last_used: float
-    leases: dict[int, Lease] = field(default_factory=dict)
+    leases: dict[int, LeaseRecord] = field(default_factory=dict)
     arena: Any = None  # opaque to the cache: the arena residency allocated
     life: Any = None  # opaque to the cache: residency's record of what this entry owns (`wcd.life`)
     done_bytes: int = 0  # load progress
@@ -92,9 +94,14 @@ class Entry:
     # copy kept across a restart); set by `wcd.residency`, shown in status and metrics.
     load_phase: str = ""
     reading_since: float | None = None  # time.monotonic() when the reading began: rate and time left
+    evicted_why: str = ""  # evicted while leased or loading: by whom (said when it goes)
+    previous: str = ""  # when and why the last entry of this name went, if one did (`note_reclaimed`)
     acquires: int = 0
     notes: list[str] = field(default_factory=list)  # shown in status, e.g. "checkpoint missing"
     publisher: int | None = None  # uid whose bytes these are: the daemon's for its loads
+    # The uid whose `load` of a path made the entry (an admin's, perhaps not the daemon's): its bytes
+    # are what that uid pointed the daemon at. None for configured models and publishes.
+    asked_by: int | None = None
     # Re-adopted after a restart, until checked: the tensor count its record gives (status shows
     # it meanwhile; the manifest is an empty stand-in until the record's is validated).
     recorded_tensors: int | None = None
@@ -120,6 +127,7 @@ class Entry:
             "retention": self.retention,
             "origin": self.origin,
             "publisher_uid": self.publisher,
+            "asked_by": self.asked_by,
             "tensors": len(self.manifest) if self.recorded_tensors is None else self.recorded_tensors,
             "progress": self._progress(),
             "acquires": self.acquires,
@@ -127,6 +135,7 @@ class Entry:
             "last_used": datetime.fromtimestamp(time.time() - idle_s, timezone.utc).isoformat(timespec="seconds"),
             "idle_s": round(idle_s, 3),
             "key": self.key.model_dump(),
+            "previous": self.previous,
         }
 
     def _progress(self) -> dict[str, Any]:
@@ -179,17 +188,18 @@ class Cache:
         # reclaimed after their leases ended, whose views were kept): the residency sets it.
         self.outside: Callable[[str], int] = lambda device: 0
         self.entries: dict[str, Entry] = {}
-        self.leases: dict[int, Lease] = {}
+        self.leases: dict[int, LeaseRecord] = {}
         self._ids = itertools.count(1)
         self.stats = {"lease_expiries": 0, "evictions": 0, "load_failures": 0}
         self.failures: dict[str, Failure] = {}  # by name, oldest first
+        self._reclaimed: dict[str, str] = {}  # name -> when and why its last entry went, oldest first
         # Indexes over `entries` and `leases`, kept by the methods below (nothing else mutates them):
         self._by_key: dict[WeightCacheKey, dict[int | None, Entry]] = {}  # key -> publisher uid -> entry
         self._published: Counter[int | None] = Counter()  # published entries per publisher uid
         self._by_model: dict[str, dict[str, Entry]] = {}  # model -> entry name -> entry
         self._used: dict[str, int] = dict.fromkeys(self.budgets, 0)
-        self._by_owner: dict[Hashable, dict[int, Lease]] = {}
-        self._by_uid: dict[int, dict[int, Lease]] = {}  # peers' leases (not the daemon's holds), in id order
+        self._by_owner: dict[Hashable, dict[int, LeaseRecord]] = {}
+        self._by_uid: dict[int, dict[int, LeaseRecord]] = {}  # peers' leases (not the daemon's holds), in id order
         # (deadline, lease id), one per finite lease; a heartbeat moves the deadline later without
         # touching the heap, and expire() re-queues such leases when their old deadline comes up.
         self._deadlines: list[tuple[float, int]] = []
@@ -212,7 +222,7 @@ class Cache:
     def leases_of(self, owner: Hashable) -> int:
         return len(self._by_owner.get(owner, ()))
 
-    def leases_page(self, uid: int | None, after: int, limit: int) -> tuple[list[Lease], int | None]:
+    def leases_page(self, uid: int | None, after: int, limit: int) -> tuple[list[LeaseRecord], int | None]:
         """Up to `limit` leases with ids above `after`, in id order: every lease (`uid` None), or
         the peer leases of `uid`. Returns them and the cursor for the next page (None at the end).
         Ids grow, so the dicts hold leases in id order; skipping to the cursor costs a C-level
@@ -289,6 +299,7 @@ class Cache:
         state: State = "filling" if origin == "publish" and not adopted else "loading"
         entry = Entry(name, key, manifest, nbytes, retention, origin, state, now, now, publisher=publisher)
         self.failures.pop(name, None)  # tried again
+        entry.previous = self._reclaimed.pop(name, "")
         self.entries[name] = entry
         self._by_key.setdefault(key, {})[publisher] = entry
         if origin == "publish":
@@ -404,6 +415,15 @@ class Cache:
         self.stats["load_failures"] += 1
         return failure
 
+    def note_reclaimed(self, name: str, why: str) -> None:
+        """Remember why the entry `name` went, for the next entry of that name (`Entry.previous`:
+        why a model was loaded again). At most `max_entries` names are remembered."""
+        self._reclaimed.pop(name, None)
+        while len(self._reclaimed) >= self.max_entries:
+            del self._reclaimed[next(iter(self._reclaimed))]
+        when = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        self._reclaimed[name] = f"{when}: {why}"
+
     def forget_failure(self, name: str) -> Failure | None:
         """Drop the failure noted under `name` (evicted by an operator, or its model left the config)."""
         return self.failures.pop(name, None)
@@ -416,7 +436,8 @@ class Cache:
 
     # -- leases -----------------------------------------------------------------------------
 
-    def acquire(self, entry: Entry, owner: Hashable, pid: int = 0, uid: int = 0, ttl_s: float | None = None) -> Lease:
+    def acquire(self, entry: Entry, owner: Hashable, pid: int = 0, uid: int = 0,
+                ttl_s: float | None = None) -> LeaseRecord:
         """A read lease; `ttl_s` makes it the daemon's own hold, with that TTL (infinity: no
         heartbeats) and counted against no uid's max_leases_per_uid."""
         if entry.state != "ready":
@@ -428,26 +449,26 @@ class Cache:
     def reserve(
         self, name: str, key: WeightCacheKey, manifest: Manifest, nbytes: int, retention: Retention,
         owner: Hashable, pid: int = 0, uid: int = 0,
-    ) -> tuple[Entry, Lease, list[Entry]]:
+    ) -> tuple[Entry, LeaseRecord, list[Entry]]:
         """Admit a published entry with a fill lease whose TTL starts at `handed_out`."""
         self._lease_room(uid)
         entry, victims = self.admit(name, key, manifest, nbytes, retention, "publish", publisher=uid)
         return entry, self._new_lease(entry, "fill", owner, pid, uid, held_until=math.inf), victims
 
-    def handed_out(self, lease: Lease) -> None:
+    def handed_out(self, lease: LeaseRecord) -> None:
         """Its holder is being told the lease's id: the heartbeat TTL runs from now."""
         lease.expires_at = self.clock() + self.lease_ttl_s
         self._queue(lease)
 
     def _new_lease(self, entry: Entry, kind: LeaseKind, owner: Hashable, pid: int, uid: int,
-                   ttl_s: float | None = None, held_until: float | None = None) -> Lease:
+                   ttl_s: float | None = None, held_until: float | None = None) -> LeaseRecord:
         """A peer's lease (its TTL the heartbeat's, or `held_until` for a fill lease until it is
         handed out), or with `ttl_s` the daemon's own hold."""
         if ttl_s is None:
             self._lease_room(uid)
         now = self.clock()
         expires = held_until if held_until is not None else now + (ttl_s or self.lease_ttl_s)
-        lease = Lease(next(self._ids), entry, kind, owner, pid, uid, expires, held_by_daemon=ttl_s is not None)
+        lease = LeaseRecord(next(self._ids), entry, kind, owner, pid, uid, expires, held_by_daemon=ttl_s is not None)
         entry.leases[lease.id] = lease
         entry.last_used = now
         self.leases[lease.id] = lease
@@ -463,12 +484,12 @@ class Cache:
             raise Busy(f"uid {uid} holds {held} leases, the daemon's max_leases_per_uid: release leases it does "
                        "not use (or close the connections holding them)", {"limit": "max_leases_per_uid"})
 
-    def _queue(self, lease: Lease) -> None:
+    def _queue(self, lease: LeaseRecord) -> None:
         if math.isfinite(lease.expires_at):  # the daemon's own holds never expire
             lease.queued_at = lease.expires_at
             heapq.heappush(self._deadlines, (lease.expires_at, lease.id))
 
-    def _forget(self, lease: Lease) -> None:
+    def _forget(self, lease: LeaseRecord) -> None:
         """Remove a lease from every index (its heap place goes stale and is skipped)."""
         del self.leases[lease.id]
         del lease.entry.leases[lease.id]
@@ -482,7 +503,7 @@ class Cache:
             if not of_uid:
                 del self._by_uid[lease.uid]
 
-    def _owned(self, owner: Hashable, lease_id: int) -> Lease:
+    def _owned(self, owner: Hashable, lease_id: int) -> LeaseRecord:
         lease = self.leases.get(lease_id)
         if lease is None or lease.owner != owner:
             raise LeaseExpired(f"lease {lease_id} is not held by this connection (expired or released)",
@@ -530,7 +551,7 @@ class Cache:
             raise BadRequest(f"lease {lease_id} is a read lease: release it instead")
         return self._end(lease)
 
-    def _end(self, lease: Lease) -> list[Entry]:
+    def _end(self, lease: LeaseRecord) -> list[Entry]:
         entry = lease.entry
         self._forget(lease)
         entry.last_used = self.clock()
@@ -543,12 +564,12 @@ class Cache:
             return [self._drop(entry)]
         return []
 
-    def expire(self, limit: int | None = None) -> tuple[list[Lease], list[Entry]]:
+    def expire(self, limit: int | None = None) -> tuple[list[LeaseRecord], list[Entry]]:
         """End leases past their deadline, at most `limit` of them (the caller lets others run
         between batches and asks again while a batch comes back full). Returns (expired leases,
         dropped entries)."""
         now = self.clock()
-        expired: list[Lease] = []
+        expired: list[LeaseRecord] = []
         dropped: list[Entry] = []
         while (limit is None or len(expired) < limit) and (lease := self._due(now)) is not None:
             if lease.expires_at > now:  # renewed since it was queued
@@ -559,7 +580,7 @@ class Cache:
         self.stats["lease_expiries"] += len(expired)
         return expired, dropped
 
-    def _due(self, now: float) -> Lease | None:
+    def _due(self, now: float) -> LeaseRecord | None:
         """Pop the next live lease whose queued deadline has come, skipping stale heap places."""
         heap = self._deadlines
         while heap and heap[0][0] <= now:
@@ -585,7 +606,7 @@ class Cache:
         return dropped
 
 
-def describe_expired(expired: list[Lease], named: int = 3) -> str:
+def describe_expired(expired: list[LeaseRecord], named: int = 3) -> str:
     """One log line for leases that expired together: how many, and on which entries (by count)."""
     if len(expired) == 1:
         lease = expired[0]

@@ -84,6 +84,7 @@ class Lease:
             # Whose bytes these are: the daemon's own loads ("config"/"load") or a publisher's uid.
             self.origin: str | None = reply.get("origin")
             self.publisher_uid: int | None = reply.get("publisher_uid")
+            self.asked_by: int | None = reply.get("asked_by")  # whose `load` made it (origin "load")
             with _decoding(f"the manifest of {self.entry!r}"):
                 self.manifest = validated_manifest(reply.get("manifest"))
                 self.arena: dict[str, Any] = _field(reply, "arena", dict)

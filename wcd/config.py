@@ -28,6 +28,7 @@ from wcd import HOST_DEVICE
 from wcd.configfile import CONFIG_DIR, RUN_DIR, instance_config_path, read_toml
 from wcd.errors import ConfigError
 from wcd.units import parse_size
+from wcd.wire import Retention
 
 __all__ = ["CONFIG_DIR", "RUN_DIR", "Config", "ModelConfig", "instance_config_path", "load_config"]
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
@@ -92,8 +93,8 @@ class DaemonConfig(BaseModel):
     # before the answer: engines could not create a context.
     staging_linger_s: Annotated[float, Field(ge=0)] = 30.0
     # How a GPU load reads files that are not in the page cache: "direct" (O_DIRECT in 512 KiB
-    # reads into pinned buffers, except the parts the page cache holds: 5-15% faster than
-    # buffered on the H200 machines measured; buffered where the file system refuses it, said
+    # reads into pinned buffers, except the parts the page cache holds: faster than buffered on
+    # the GPU hosts measured, bench/RESULTS.md; buffered where the file system refuses it, said
     # once per file system) or "buffered" (through the page cache in 16 MiB reads, read ahead
     # while the load's CUDA context is made, then dropped for files that were not in it at all).
     cold_reads: Literal["buffered", "direct"] = "direct"
@@ -172,7 +173,7 @@ class ModelConfig(BaseModel):
     name: Annotated[str, Field(pattern=_NAME)]
     path: Path
     device: str = HOST_DEVICE
-    retention: Literal["pinned", "cached", "ephemeral"] = "pinned"
+    retention: Retention = "pinned"
     # Shards that are symbolic links are followed only while they stay inside `path` (openat2
     # RESOLVE_BENEATH); true follows them anywhere (a Hugging Face cache's snapshots/ -> blobs/).
     follow_symlinks: bool = False

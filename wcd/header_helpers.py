@@ -60,9 +60,8 @@ MAX_BATCH = 1 << 16  # headers in one batch (a checkpoint has far fewer shards)
 # malloc_trim or not): it is replaced by a fresh one.
 RETIRE_BYTES = 8 << 20
 STALL_S = 5.0  # a send or read that makes no progress for this long fails (and see `answer_within`)
-# Batches of about 1/PIECES_PER_HELPER of an even share each (`target_bytes`). Swept on an H200 host
-# (8 helpers, 100,000 tensors in 4 shards, bench/trace_admit.py): the parse took 61 ms with 2 against
-# 82 with 1 and 68-69 with 3, 4 or 6 (more, smaller answers for the calling thread to unpack).
+# Batches of about 1/PIECES_PER_HELPER of an even share each (`target_bytes`): two keep every helper
+# busy to the end, more leave the calling thread more, smaller answers to unpack (bench/RESULTS.md).
 PIECES_PER_HELPER = 2
 KEEP_BUFFER_BYTES = 4 << 20  # a helper's buffer keeps the pages of batches up to this size
 # The systemd interface stays the daemon's: a helper must not notify, nor think it was activated.

@@ -59,8 +59,8 @@ class Progress:
 
 
 def default_workers() -> int:
-    """Loader threads per load: one per core, 4 to 16 (16 filled an H200 from the page cache at
-    46 GB/s, 8 at 44, 24 at 31; 4 on a 2-core VM kept host fills at the plain copy's rate)."""
+    """Loader threads per load: one per core, 4 to 16 (beyond 16 the copies from the page cache
+    slow down; 4 keep a small host's fills at a plain copy's rate: bench/RESULTS.md)."""
     return max(4, min(16, len(os.sched_getaffinity(0))))  # the cores this daemon may run on
 
 

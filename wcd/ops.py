@@ -26,14 +26,14 @@ from typing import Any, Generic, TypeVar
 
 from wcd import __version__, protocol
 from wcd.arenas import backend_for
-from wcd.cache import Cache, Entry, Lease
+from wcd.cache import Cache, Entry, LeaseRecord
 from wcd.connection import Connection
 from wcd.errors import BadRequest, Busy, Internal, NotFound, PermissionDenied, UnsupportedVersion, WcdError
 from wcd.key import HOST_DEVICE, WeightCacheKey
 from wcd.manifest import Manifest
 from wcd.metrics import Metrics
 from wcd.peers import peer_gids
-from wcd.residency import Residency
+from wcd.residency import Residency, ended
 from wcd.state import ServerState
 from wcd.units import format_size
 
@@ -145,12 +145,13 @@ def heartbeat(ctx: Context, conn: Connection, req: protocol.Heartbeat) -> None:
 
 
 def release(ctx: Context, conn: Connection, req: protocol.Release) -> None:
-    ctx.residency.reclaim(ctx.state.cache.release(conn, req.lease))
+    for entry in ctx.state.cache.release(conn, req.lease):
+        ctx.residency.reclaim([entry], ended(entry, f"its last lease was released (pid {conn.pid}, uid {conn.uid})"))
     conn.send(protocol.ok(req.id))
 
 
 def abort(ctx: Context, conn: Connection, req: protocol.Abort) -> None:
-    ctx.residency.reclaim(ctx.state.cache.abort(conn, req.lease))
+    ctx.residency.reclaim(ctx.state.cache.abort(conn, req.lease), f"its publish was aborted by uid {conn.uid}")
     conn.send(protocol.ok(req.id))
 
 
@@ -166,12 +167,12 @@ def evict(ctx: Context, conn: Connection, req: protocol.Evict) -> None:
         return
     entry = ctx.state.cache.find(ctx.residency.resolve(target), ctx.publishers(conn))
     ctx.state.cache.check_evict(entry, conn.uid, ctx.is_admin(conn))
-    dropped = ctx.residency.evict(entry)
+    dropped = ctx.residency.evict(entry, f"evicted by uid {conn.uid} (pid {conn.pid})")
     conn.send(protocol.ok(req.id, entry=entry.name, state="evicted" if dropped else entry.state,
                           leases=len(entry.leases)))
 
 
-def metrics(ctx: Context, conn: Connection, req: protocol.Metrics) -> Coroutine[Any, Any, None] | None:
+def metrics(ctx: Context, conn: Connection, req: protocol.MetricsRequest) -> Coroutine[Any, Any, None] | None:
     """At once, once prometheus-client is imported; before (the first second after READY, when
     `Server._warm_metrics` imports it) as a task that waits for the one import, in a thread, and
     gets the rendering it shares with every request that waited with it (`Metrics.text`)."""
@@ -181,7 +182,7 @@ def metrics(ctx: Context, conn: Connection, req: protocol.Metrics) -> Coroutine[
     return _metrics_later(ctx, conn, req)
 
 
-async def _metrics_later(ctx: Context, conn: Connection, req: protocol.Metrics) -> None:
+async def _metrics_later(ctx: Context, conn: Connection, req: protocol.MetricsRequest) -> None:
     conn.send(protocol.ok(req.id, text=await ctx.metrics.text()))
 
 
@@ -279,6 +280,8 @@ async def load(ctx: Context, conn: Connection, req: protocol.Load) -> None:
             ctx.residency.failed(req.name, f"{e.message} (wcdctl load by uid {conn.uid})",
                                  "config" if req.path is None else "load", device, path)
             raise
+        if req.path is not None:  # bytes the asker chose, not the daemon's config
+            entry.asked_by = conn.uid
         admitted = time.monotonic()
         task = ctx.residency.start_fill(entry)
         if req.wait:
@@ -319,12 +322,12 @@ def _reserved_manifest(tensors: protocol.TensorColumns) -> Manifest:
     return manifest
 
 
-def _send_lease(ctx: Context, conn: Connection, req_id: int, lease: Lease) -> None:
+def _send_lease(ctx: Context, conn: Connection, req_id: int, lease: LeaseRecord) -> None:
     entry, arena = lease.entry, lease.entry.arena
     ctx.state.cache.handed_out(lease)
     conn.send(protocol.ok(
         req_id, lease=lease.id, kind=lease.kind, entry=entry.name, key=entry.key.model_dump(),
-        origin=entry.origin, publisher_uid=entry.publisher,
+        origin=entry.origin, publisher_uid=entry.publisher, asked_by=entry.asked_by,
         manifest=entry.manifest.wire(), ttl_s=ctx.state.cache.lease_ttl_s,
         arena={"kind": arena.kind, "size": arena.size, "device": arena.device}), [arena.fd()])
 
@@ -357,7 +360,7 @@ OPS: dict[str, Op[Any]] = {
     "release": Op(protocol.Release, release),
     "abort": Op(protocol.Abort, abort),
     "evict": Op(protocol.Evict, evict),
-    "metrics": Op(protocol.Metrics, metrics),
+    "metrics": Op(protocol.MetricsRequest, metrics),
     "acquire": Op(protocol.Acquire, acquire),
     "reserve": Op(protocol.Reserve, reserve),
     "commit": Op(protocol.Commit, commit),

@@ -33,6 +33,7 @@ from wcd.wire import (  # noqa: F401 - the daemon's one import for the protocol
     PROTOCOL_VERSION,
     SUPPORTED_VERSIONS,
     FrameDecoder,
+    Retention,
     encode,
     error,
     fds_from_ancillary,
@@ -49,7 +50,6 @@ def _no_control(name: str) -> str:
 
 Name = Annotated[str, StringConstraints(min_length=1, max_length=256), AfterValidator(_no_control)]
 LEASES_PER_PAGE = 1000  # a `leases` reply lists at most these; the client asks for the next page
-Retention = Literal["pinned", "cached", "ephemeral"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,12 +163,12 @@ class Verify(_Target):
     op: Literal["verify"]
 
 
-class Metrics(_Req):
+class MetricsRequest(_Req):
     op: Literal["metrics"]
 
 
 _REQUESTS: tuple[type[_Req], ...] = (Hello, Ping, Status, ListEntries, Leases, Acquire, Heartbeat, Release,
-                                     Reserve, Commit, Abort, Load, Evict, Verify, Metrics)
+                                     Reserve, Commit, Abort, Load, Evict, Verify, MetricsRequest)
 SCHEMAS: dict[str, type[_Req]] = {m.model_fields["op"].annotation.__args__[0]: m  # type: ignore[union-attr]
                                   for m in _REQUESTS}
 OPS: tuple[str, ...] = tuple(SCHEMAS)

@@ -28,13 +28,11 @@ class Refusals:
         self.interval_s = interval_s
         self._counts: dict[tuple[int, str], int] = {}  # (uid, what) -> refused since its last line
         self._denied: dict[int, float] = {}  # uid -> loop time until which it stays refused unasked
-        self.total = 0
 
     def refuse(self, sock: socket.socket, uid: int, pid: int, err: WcdError, what: str) -> None:
         """Send `err` as the connection's one stream-level error frame and end it. The frame fits
         the empty send buffer of a new socket, so the send does not wait; a peer that reads it
         after the close still finds it there. The close goes off the loop, as any of a peer's."""
-        self.total += 1
         try:
             sock.send(wire.encode(wire.error(None, err)), socket.MSG_DONTWAIT)
         except OSError:

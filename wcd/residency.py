@@ -29,7 +29,7 @@ from typing import Any
 
 from wcd import adoption, parking
 from wcd.arenas import Arena, ArenaBackend, backend_for, loaded_backends, released_held
-from wcd.cache import Entry, Lease, Origin, Retention, describe_expired
+from wcd.cache import Entry, LeaseRecord, Origin, describe_expired
 from wcd.checkpoint import Checkpoint, Shards
 from wcd.config import ModelConfig
 from wcd.devices import Devices
@@ -45,6 +45,7 @@ from wcd.offloop import both, close_later, free_later, produced, using
 from wcd.state import ServerState
 from wcd.units import describe_progress, format_duration, format_size
 from wcd.verifying import Verification, Verifier
+from wcd.wire import Retention
 from wcd.workers import Pool
 
 log = logging.getLogger("wcd")
@@ -162,12 +163,12 @@ class Residency:
             key = WeightCacheKey(model=name, path=str(ckpt.path), fingerprint=fingerprinted[0], device=canonical)
             nbytes = backend_for(canonical).arena_size(manifest.size, canonical)
             if replacing is not None:
-                self.reclaim(self.cache.load_failed(replacing))
+                self.reclaim(self.cache.load_failed(replacing), "replaced by its model as configured now")
             entry, victims = self.cache.admit(name, key, manifest, nbytes, retention, origin, publisher=os.getuid())
         except BaseException:
             ckpt.close()
             raise
-        self.reclaim(victims)
+        self.reclaim(victims, f"least recently used, to make room for {name} ({format_size(nbytes)})")
         entry.life = Life(checkpoint=ckpt)
         return entry
 
@@ -203,7 +204,7 @@ class Residency:
             entry.load_phase = ""
             ckpt.close()
             if not isinstance(e, Exception):  # cancelled (shutdown)
-                self.reclaim(self.cache.load_failed(entry))
+                self.reclaim(self.cache.load_failed(entry), "its load was cancelled (shutdown)")
                 raise
             replaced = await self._drop_loading(entry)
             if isinstance(e, Cancelled):
@@ -267,18 +268,19 @@ class Residency:
     # -- publishing -------------------------------------------------------------------------
 
     async def reserve(self, name: str, key: WeightCacheKey, manifest: Manifest, retention: Retention,
-                      owner: Any, pid: int, uid: int) -> Lease:
+                      owner: Any, pid: int, uid: int) -> LeaseRecord:
         """Admit a published entry (carrying `uid`) and allocate its empty arena: the fill lease,
         whose TTL starts when the caller hands it out (`Cache.handed_out`)."""
         backend = backend_for(key.device)
         entry, lease, victims = self.cache.reserve(
             name, key, manifest, backend.arena_size(manifest.size, key.device), retention, owner, pid, uid)
-        self.reclaim(victims)
+        self.reclaim(victims, f"least recently used, to make room for {name} ({format_size(entry.nbytes)}, "
+                     f"published by uid {uid})")
         entry.life = Life(phase="filling")
         try:
             arena = await self._create(backend, key.device, entry.nbytes, name)
         except BaseException:
-            self.reclaim(self.cache.load_failed(entry))
+            self.reclaim(self.cache.load_failed(entry), "its arena could not be allocated")
             raise
         if self.cache.entries.get(name) is not entry:
             close_later(arena)
@@ -303,13 +305,14 @@ class Residency:
                 await using(None, lease.entry.arena, lambda arena: arena.seal())
             except BadRequest:  # the arena is not what the daemon handed out: it is never published
                 if self.cache.leases.get(lease_id) is lease:
-                    self.reclaim(self.cache.abort(owner, lease_id))
+                    self.reclaim(self.cache.abort(owner, lease_id), "its commit was refused: the arena is not the "
+                                 "one handed out")
                 raise
             finally:
                 record.committing = False
         entry, dropped = self.cache.commit(owner, lease_id)
         if dropped:
-            self.reclaim(dropped)
+            self.reclaim(dropped, "evicted while it was being filled")
             raise NotFound(f"{entry.name} was evicted while it was being filled; nothing was published")
         self._set_ready(entry)
         self._verifier.keep_digest(entry, "digest at commit")
@@ -327,13 +330,16 @@ class Residency:
         try:
             return await self._verifier.shared(entry, self._follow_links(entry.name))
         finally:
-            self.reclaim(self.cache.release(holder, lease.id))
+            dropped = self.cache.release(holder, lease.id)
+            self.reclaim(dropped, ended(entry, "the daemon's hold for its verify ended"))
 
     # -- reclaiming -------------------------------------------------------------------------
 
-    def reclaim(self, entries: Iterable[Entry]) -> None:
-        """Entries the cache dropped: end their lives (memory returns once clients unmap)."""
+    def reclaim(self, entries: Iterable[Entry], why: str) -> None:
+        """Entries the cache dropped, for `why` (said in the log, and shown with the entry of that
+        name that comes next): end their lives (memory returns once clients unmap)."""
         for entry in entries:
+            self.cache.note_reclaimed(entry.name, why)
             record = life(entry)
             if record.superseded:  # a reload changed its model while it was leased: load that now
                 record.superseded = False
@@ -341,12 +347,15 @@ class Residency:
                 if model is not None:
                     self.admit_later(model)
             record.end(entry)
-            log.info("reclaimed %s (%s on %s)", entry.name, format_size(entry.nbytes), entry.device)
+            log.info("reclaimed %s (%s on %s): %s", entry.name, format_size(entry.nbytes), entry.device, why)
 
-    def evict(self, entry: Entry) -> list[Entry]:
-        """Evict now, or once its leases end; returns what was dropped now."""
+    def evict(self, entry: Entry, why: str) -> list[Entry]:
+        """Evict now, or once its leases end (then `why` is said when the last one goes, as it
+        ends); returns what was dropped now."""
         dropped = self.cache.evict(entry)
-        self.reclaim(dropped)
+        self.reclaim(dropped, why)
+        if not dropped:
+            entry.evicted_why = why
         return dropped
 
     def supersede(self, entry: Entry) -> None:
@@ -355,7 +364,7 @@ class Residency:
         still leased keeps its name until that ends, so nothing loads the model beside it; then the
         config of that time has its model admitted as the entry goes (`_drop_loading`, `reclaim`),
         with no other reload."""
-        if not self.evict(entry):
+        if not self.evict(entry, "superseded: a reload changed or removed its model"):
             life(entry).superseded = True
 
     def cancel_loads(self) -> None:
@@ -373,7 +382,11 @@ class Residency:
                 expired, dropped = self.cache.expire(EXPIRY_BATCH)
                 if expired:
                     log.info("%s", describe_expired(expired))
-                self.reclaim(dropped)
+                last = {lease.entry: lease for lease in expired}
+                for entry in dropped:
+                    lease = last.get(entry)
+                    whose = f" (pid {lease.pid}, uid {lease.uid})" if lease is not None else ""
+                    self.reclaim([entry], ended(entry, f"its last lease expired: no heartbeat{whose}"))
                 if len(expired) < EXPIRY_BATCH:
                     break
                 await asyncio.sleep(0)
@@ -392,8 +405,8 @@ class Residency:
             if model is not None and (superseded or (failed_check and entry.origin == "config"
                                                      and entry.state != "evicting")):
                 await self.admit_configured(model, replacing=entry)
-        finally:
-            self.reclaim(self.cache.load_failed(entry))  # if it was not replaced
+        finally:  # if it was not replaced
+            self.reclaim(self.cache.load_failed(entry), ended(entry, "its load or check ended without it"))
         return self.cache.entries.get(entry.name) not in (None, entry)
 
     def _model(self, name: str) -> ModelConfig | None:
@@ -424,10 +437,11 @@ class Residency:
         entry, victims = self.cache.admit(rec.name, rec.key, Manifest.build(()), rec.arena_size, rec.retention,
                                           rec.origin, rec.publisher if rec.origin == "publish" else os.getuid(),
                                           adopted=True)
+        entry.asked_by = rec.asked_by
         # systemd still holds the fds: never store them twice
         entry.life = Life(phase="checking", adopted=(rec, fd), parked=True)
         entry.load_phase = "checking"
-        self.reclaim(victims)
+        self.reclaim(victims, f"least recently used, to make room for {rec.name} kept across a restart")
         entry.notes = [adoption.ADOPTING_NOTE]
         codes = rec.manifest_wire.get("dtypes")
         entry.recorded_tensors = len(codes) if isinstance(codes, bytes) else None
@@ -525,6 +539,14 @@ class Residency:
                         "without waiting: it goes when this process exits", " and ".join(what), RELEASE_WAIT_S)
             self.hung = True
         return sum(1 for e in self.cache.entries.values() if life(e).parked)
+
+
+def ended(entry: Entry, how: str) -> str:
+    """Why `entry` went when a lease of it (or its load) ended `how`: it had been evicted (by whom),
+    or it was ephemeral."""
+    if entry.evicted_why:
+        return f"{entry.evicted_why}, and {how}"
+    return f"ephemeral, and {how}" if entry.retention == "ephemeral" else how
 
 
 class _EntryProgress:

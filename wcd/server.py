@@ -35,7 +35,7 @@ from wcd.metrics import Metrics
 from wcd.metrics_http import MetricsHttp
 from wcd.peers import peer_gids
 from wcd.refusals import Refusals
-from wcd.residency import RELEASE_WAIT_S, Residency
+from wcd.residency import RELEASE_WAIT_S, Residency, ended
 from wcd.state import ServerState
 from wcd.units import counted, describe_progress, format_size
 
@@ -309,7 +309,10 @@ class Server:
 
     def _connection_lost(self, conn: Connection) -> None:
         self.state.connections.discard(conn)
-        self.residency.reclaim(self.state.cache.drop_owner(conn))
+        for entry in self.state.cache.drop_owner(conn):
+            how = "its publisher's connection closed before the commit" if entry.state == "filling" else \
+                f"the connection holding its last lease closed (pid {conn.pid}, uid {conn.uid})"
+            self.residency.reclaim([entry], ended(entry, how))
 
     async def _close_idle(self) -> None:
         """Forever: close connections that said no hello in time, take too long over a request, or sit

@@ -17,7 +17,9 @@ import torch
 from tests.integration.peers import Raw
 from tests.integration.pings import assert_fast, pinging
 from tests.integration.test_hardening_trust import as_user, needs_root, results
-from wcd.key import WeightCacheKey
+from wcd.integrations import trust
+from wcd.integrations.transformers import _find_entry
+from wcd.key import WeightCacheKey, fingerprint_checkpoint
 
 ATTACKER, VICTIM = 1234, 1236
 KEY = WeightCacheKey(model="shared-name", transform="vllm/fp8")
@@ -168,3 +170,34 @@ def test_leases_expiring_at_once_are_ended_in_batches_with_one_log_line_each(mak
         assert c.list_leases() == [] and c.status()["counters"]["lease_expiries"] == n
     lines = d.log.read_text().count("expired") - lines_before
     assert 0 < lines <= n // 1024 + 3, f"{lines} log lines for {n} expiries"
+
+
+# -- 7: an admin's load is the admin's, not the daemon's own ------------------------------------------
+
+
+@needs_root
+def test_an_admins_load_is_judged_by_the_uid_that_asked(make_daemon, checkpoint, shared_dir):
+    """uid 1237, an admin, loads a path: the entry records who asked, and the integrations' raw
+    lookup no longer takes it for the daemon's own load (it did: `publisher_uid` was the daemon's)."""
+    path, _ = checkpoint
+    admin = 1237
+    d = make_daemon(f'allowed_uids = [{admin}]\nadmin_uids = [{admin}]\n\n[[models]]\nname = "m"\npath = "{path}"\n',
+                    socket=shared_dir / "wcd.sock")
+    with pinging(d) as pings:
+        loaded = results(as_user(admin, f"""
+            c = Client({str(d.socket)!r})
+            print(json.dumps(c.load("theirs", {str(path)!r}, wait=True)))
+        """))
+    assert_fast(pings)
+    assert loaded["asked_by"] == admin and loaded["origin"] == "load"
+    fp = fingerprint_checkpoint(path)
+    with d.client() as c:
+        assert {e["name"]: e["asked_by"] for e in c.list()} == {"m": None, "theirs": admin}
+        assert _find_entry(c, path, fp, "theirs", False, 10) is None
+        found = _find_entry(c, path, fp, None, False, 10)  # the configured model is the daemon's own
+        assert found is not None and found[0].entry == "m" and found[1] == "the daemon (uid 0, its own load)"
+        found[0].release()
+        with c.acquire("theirs") as lease:
+            assert lease.asked_by == admin and trust.accepted_publisher(c, lease) is None
+            assert trust.accepted_publisher(c, lease, trusted=[admin]) == f"trusted uid {admin} (its load)"
+            assert trust.whose(lease) == f"loaded from a path uid {admin} gave"

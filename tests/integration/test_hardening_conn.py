@@ -497,7 +497,8 @@ def test_a_reserve_too_big_for_uint64_gets_a_reply(make_daemon):
     # Each dimension within bounds, their product (2^70 bytes) past what msgpack can carry.
     reply = a.call({"op": "reserve", "key": {"model": "huge", "transform": "test/huge"},
                     "columns": columns([["w", "U8", [1 << 40, 1 << 30]]])})
-    assert reply["error"]["code"] == "bad_request" and "more than an arena can hold" in reply["error"]["message"], reply
+    assert reply["error"]["code"] == "bad_request" and "spans more than 2**48 elements" in reply["error"]["message"], \
+        reply
     assert a.call({"op": "ping"})["ok"]
 
 

@@ -51,6 +51,7 @@ def test_swapped_config_and_socket_leave_the_config_alone(tmp_path):
     out = serve(config, "--socket", str(config))  # the swap: --socket names the config file
     refused(out, 2, f"{config} is a regular file, not a socket")
     assert config.read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["wcd.toml"]  # no lock file left either
 
 
 def test_a_symlink_at_the_socket_path_is_not_replaced(tmp_path):

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from wcd.cache import Cache, Entry, Lease, describe_expired
+from wcd.cache import Cache, Entry, LeaseRecord, describe_expired
 from wcd.errors import BadRequest, Busy, KeyMismatch, LeaseExpired, NotFound, OutOfMemory, PermissionDenied
 from wcd.key import WeightCacheKey
 from wcd.manifest import Manifest
@@ -740,9 +740,9 @@ def test_leases_expire_in_batches_and_are_told_in_one_line(cache: Cache, clock: 
         if len(expired) < 4:
             break
     assert batches == [4, 4, 2] and not cache.leases and cache.stats["lease_expiries"] == 10
-    one = Lease(1, a, "read", "x", 7, 1001, 0.0)
+    one = LeaseRecord(1, a, "read", "x", 7, 1001, 0.0)
     assert describe_expired([one]) == "lease 1 on a (pid 7, uid 1001) expired: no heartbeat"
-    many = [Lease(i, a if i < 7 else b, "read", "x", i, 1001 + i % 2, 0.0) for i in range(10)]
+    many = [LeaseRecord(i, a if i < 7 else b, "read", "x", i, 1001 + i % 2, 0.0) for i in range(10)]
     assert describe_expired(many) == "10 leases expired, no heartbeat: 7 on a, 3 on b (uids 1001, 1002)"
 
 
@@ -761,3 +761,21 @@ def test_memory_still_mapped_outside_the_cache_counts_against_its_device(cache: 
     assert "300 B by processes still mapping entries that are gone" in info.value.message
     outside["cpu"] = 0  # they dropped their views
     cache.admit("c", key("c"), MANIFEST, 301, "cached", "load")
+
+
+def test_who_asked_for_a_load_survives_parking(cache: Cache) -> None:
+    """The fd store's record keeps `asked_by`, and the entry's fd names are its publisher's."""
+    import os
+
+    from wcd import parking
+
+    entry = admit(cache, "e", 1)
+    entry.asked_by, entry.publisher = 1237, 0
+    entry.arena = type("A", (), {"kind": "host", "size": 4096})()
+    fd = parking.record_memfd(entry)
+    try:
+        rec = parking.parse_record(fd)
+    finally:
+        os.close(fd)
+    assert (rec.asked_by, rec.publisher, rec.origin) == (1237, 0, "load")
+    assert parking.fd_names(entry.key, 0) != parking.fd_names(entry.key, 1237)

@@ -49,7 +49,7 @@ EXCLUSIVE_PREPARED_S = 5.0
 
 # `CudaWriter.copy_scattered` copies runs in 2D (a driver call each, ~a few us) rather than gathering
 # them with preadv (a Python slice and an iovec per piece, ~0.3 us) when runs hold at least this many
-# pieces on average, and each row of a 2D copy is at least this wide. Not yet measured on a GPU.
+# pieces on average, and each row of a 2D copy is at least this wide (estimates from those costs).
 SCATTER_PIECES_PER_COPY = 8
 SCATTER_MIN_ROW = 1024
 

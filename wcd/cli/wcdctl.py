@@ -240,7 +240,10 @@ def _entries(entries: list[dict[str, Any]]) -> str:
         rows.append([e["name"], state, e["device"], format_size(e["bytes"]), str(e["tensors"]), str(e["leases"]),
                      e["retention"] or "-", e["origin"], format_duration(e["idle_s"])])
     table = _table(["ENTRY", "STATE", "DEVICE", "SIZE", "TENSORS", "LEASES", "RETENTION", "ORIGIN", "IDLE"], rows)
-    return "\n".join([table, *(f"  {e['name']}: {note}" for e in entries for note in e.get("notes", []))])
+    notes = [f"  {e['name']}: {note}" for e in entries for note in e.get("notes", [])]
+    notes += [f"  {e['name']}: loaded again; the copy before went at {e['previous']}" for e in entries
+              if e.get("previous")]
+    return "\n".join([table, *notes])
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:

@@ -135,8 +135,8 @@ def _find_entry(client: Client, folder: Path, fingerprint: str, entry: str | Non
             continue
         publisher = trust.accepted_publisher(client, lease, trusted)
         if publisher is None:
-            log.warning("wcd: entry %s was published by uid %s, which this process does not trust: not using it "
-                        "(trusted: the daemon, this uid, trusted_publishers)", name, lease.publisher_uid)
+            log.warning("wcd: entry %s was %s, which this process does not trust: not using it "
+                        "(trusted: the daemon, this uid, trusted_publishers)", name, trust.whose(lease))
         elif lease.key.fingerprint == fingerprint and lease.key.transform == "raw":
             return lease, publisher
         else:
