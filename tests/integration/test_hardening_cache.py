@@ -27,6 +27,7 @@ KEY = WeightCacheKey(model="shared-name", transform="vllm/fp8")
 # -- 5: key squatting -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @needs_root
 def test_another_uid_publishing_my_key_first_does_not_lock_me_out(make_daemon, shared_dir):
     """uid 1234 publishes uid 1236's exact key first. 1236 still publishes under it, attaches its
@@ -58,6 +59,7 @@ print(json.dumps(out))
 # -- 6: max_entries held by another uid's cached entries ------------------------------------------------
 
 
+@pytest.mark.slow
 @needs_root
 def test_entries_left_by_another_uid_make_room_and_a_uid_has_a_bound(make_daemon, checkpoint, shared_dir):
     """uid 1234 fills max_entries with unleased cached entries and disconnects: 1236's publishes and
