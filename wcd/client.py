@@ -439,10 +439,13 @@ class Client:
         leases, after = [], 0
         while True:
             page = self.request("leases", after=after)
-            leases += page["leases"]
-            if page.get("next") is None:
+            leases += _field(page, "leases", list)
+            cursor = page.get("next")
+            if cursor is None:
                 return leases
-            after = page["next"]
+            if type(cursor) is not int or cursor <= after:  # a cursor that does not move on would loop
+                raise BadReply(f"leases reply: cursor {cursor!r:.40} does not follow {after}")
+            after = cursor
 
     def metrics(self) -> str:
         return str(self.request("metrics")["text"])

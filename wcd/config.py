@@ -7,7 +7,6 @@ anything or touches devices: fractions like "90%" are resolved later against dev
 
 from __future__ import annotations
 
-import grp
 import re
 from collections.abc import Collection
 from pathlib import Path
@@ -27,6 +26,7 @@ from pydantic import (
 from wcd import HOST_DEVICE
 from wcd.configfile import CONFIG_DIR, RUN_DIR, instance_config_path, read_toml
 from wcd.errors import ConfigError
+from wcd.peers import group_gids
 from wcd.units import parse_size
 from wcd.wire import Retention
 
@@ -150,21 +150,20 @@ class DaemonConfig(BaseModel):
     @field_validator("allowed_groups", "admin_groups")
     @classmethod
     def _groups(cls, v: list[str]) -> list[str]:
-        for name in v:
-            try:
-                grp.getgrnam(name)
-            except KeyError:
-                raise ValueError(f"group {name!r} does not exist on this host") from None
+        try:
+            group_gids(v)
+        except KeyError as e:
+            raise ValueError(f"group {e.args[0]!r} does not exist on this host") from None
         return v
 
     def allowed_gids(self) -> set[int]:
-        return {grp.getgrnam(name).gr_gid for name in self.allowed_groups}
+        return group_gids(self.allowed_groups)
 
     def is_admin(self, uid: int, gids: Collection[int], daemon_uid: int) -> bool:
         """Whether a peer with `uid` in groups `gids` is an admin of a daemon running as `daemon_uid`."""
         if uid in (0, daemon_uid) or uid in self.admin_uids:
             return True
-        return bool(self.admin_groups) and not {grp.getgrnam(n).gr_gid for n in self.admin_groups}.isdisjoint(gids)
+        return bool(self.admin_groups) and not group_gids(self.admin_groups).isdisjoint(gids)
 
 
 class ModelConfig(BaseModel):
