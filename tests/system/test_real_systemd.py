@@ -125,9 +125,9 @@ def test_socket_activation_attach_is_bit_identical(box):
 
 def test_status_line_in_systemctl_status(box):
     wait_for("STATUS= to report the served entry",
-             lambda: box.show(SERVICE, "StatusText").startswith("serving 1 entries, 0 leases, "))
+             lambda: box.show(SERVICE, "StatusText").startswith("serving 1 entry, 0 leases, "))
     shown = box.run(f"systemctl status --no-pager {SERVICE}").stdout
-    assert 'Status: "serving 1 entries, 0 leases, ' in shown, shown
+    assert 'Status: "serving 1 entry, 0 leases, ' in shown, shown
 
 
 def test_restart_keeps_weights_in_the_fd_store(box):
