@@ -80,7 +80,7 @@ class Life:
         if self.parked:
             self.parked = False
             for name in parking.fd_names(entry.key):
-                unstore(name)
+                unstore(name)  # (`adoption.unpark`, which imports this module)
         if entry.arena is not None:
             close_later(entry.arena)
             entry.arena = None

@@ -85,7 +85,7 @@ def hello(ctx: Context, conn: Connection, req: protocol.Hello) -> None:
     gpus = any(d != HOST_DEVICE for d in ctx.state.cache.budgets)
     conn.send(protocol.ok(
         req.id, version=common[-1], server=f"wcd {__version__}", instance=ctx.state.instance,
-        features=["host-arenas", "publish", "verify", "metrics"] + (["cuda-arenas"] if gpus else []),
+        features=["host-arenas", "publish", "verify", "metrics", "generations"] + (["cuda-arenas"] if gpus else []),
         lease_ttl_s=ctx.state.config.daemon.lease_ttl_s, pid=os.getpid(), uid=os.getuid(),
         trusted_publishers=ctx.state.config.daemon.trusted_publishers,
         peer={"pid": conn.pid, "uid": conn.uid, "gid": conn.gid, "admin": ctx.is_admin(conn)}))
@@ -107,11 +107,42 @@ def status(ctx: Context, conn: Connection, req: protocol.Status) -> None:
         req.id, version=__version__, instance=state.instance, pid=os.getpid(),
         uptime_s=time.time() - state.started_at, socket=state.where, lease_ttl_s=cache.lease_ttl_s,
         devices=devices, entries=entries, leases=len(cache.leases), connections=len(state.connections),
-        loading=[e["name"] for e in entries if e["state"] == "loading"], counters=dict(cache.stats)))
+        loading=[e["name"] for e in entries if e["state"] == "loading"], counters=dict(cache.stats),
+        series=_series(ctx)))
 
 
 def list_entries(ctx: Context, conn: Connection, req: protocol.ListEntries) -> None:
-    conn.send(protocol.ok(req.id, entries=[e.describe() for e in ctx.state.cache.entries.values()]))
+    conn.send(protocol.ok(req.id, entries=[e.describe() for e in ctx.state.cache.entries.values()],
+                          series=_series(ctx)))
+
+
+def _series(ctx: Context) -> list[dict[str, Any]]:
+    watchers = ctx.state.watchers
+    return [{**s.describe(), "watchers": watchers.count(s.name)} for s in ctx.state.cache.series.values()]
+
+
+def watch(ctx: Context, conn: Connection, req: protocol.Watch) -> None:
+    """Watch a series (it need not exist yet: a trainer may publish its first generation later)."""
+    if req.stop:
+        ctx.state.watchers.remove(conn, req.series)
+        conn.send(protocol.ok(req.id))
+        return
+    ctx.state.watchers.add(conn, req.series, ctx.state.config.daemon.max_watches_per_connection)
+    series = ctx.state.cache.series.get(req.series)
+    conn.send(protocol.ok(req.id, series=req.series, generation=series.current if series is not None else 0))
+
+
+def rollback(ctx: Context, conn: Connection, req: protocol.Rollback) -> None:
+    entry = ctx.residency.rollback(req.series, conn.uid, ctx.is_admin(conn), req.generation)
+    log.info("rolled %s back to generation %d (uid %d)", req.series, entry.generation, conn.uid)
+    told = _announce(ctx, entry, "rollback")
+    conn.send(protocol.ok(req.id, series=req.series, generation=entry.generation, entry=entry.name, told=told))
+
+
+def _announce(ctx: Context, entry: Entry, why: str) -> int:
+    assert entry.series is not None
+    return ctx.state.watchers.announce(entry.series.name, {"generation": entry.generation, "entry": entry.name,
+                                                           "why": why})
 
 
 def leases(ctx: Context, conn: Connection, req: protocol.Leases) -> None:
@@ -177,6 +208,13 @@ async def _find(ctx: Context, target: str | WeightCacheKey, wait: bool, deadline
 
 
 async def acquire(ctx: Context, conn: Connection, req: protocol.Acquire) -> None:
+    series = req.series_target()
+    if series is not None:  # a current generation is committed: ready, nothing to wait for
+        entry = ctx.state.cache.current(series)
+        await _wire_ready(ctx, conn, entry)
+        conn.quotas.fd_room(conn)
+        _send_lease(ctx, conn, req.id, ctx.state.cache.acquire(entry, conn, conn.pid, conn.uid))
+        return
     target = ctx.residency.resolve(req.target())
     deadline = time.monotonic() + req.timeout_s
     entry = await _find(ctx, target, req.wait, deadline)
@@ -195,22 +233,28 @@ async def acquire(ctx: Context, conn: Connection, req: protocol.Acquire) -> None
                     entry.name, max(0.0, deadline - time.monotonic()))):
                 raise
             entry = ctx.state.cache.find(target)
-    if not entry.manifest.wire_ready(conn.version):  # once per entry and version: 10^5 tensors take a while
+    await _wire_ready(ctx, conn, entry)
+    conn.quotas.fd_room(conn)
+    _send_lease(ctx, conn, req.id, ctx.state.cache.acquire(entry, conn, conn.pid, conn.uid))
+
+
+async def _wire_ready(ctx: Context, conn: Connection, entry: Entry) -> None:
+    """Build the manifest's wire form once per entry and version (10^5 tensors take a while)."""
+    if not entry.manifest.wire_ready(conn.version):
         await asyncio.to_thread(entry.manifest.wire, conn.version)
         if ctx.state.cache.entries.get(entry.name) is not entry:
             raise NotFound(f"entry {entry.name!r} was evicted while it was being acquired")
-    conn.quotas.fd_room(conn)
-    _send_lease(ctx, conn, req.id, ctx.state.cache.acquire(entry, conn, conn.pid, conn.uid))
 
 
 async def reserve(ctx: Context, conn: Connection, req: protocol.Reserve) -> None:
     _check_publishable(ctx, conn, req.key, req.retention)
     key = req.key.model_copy(update={"device": ctx.residency.canonical_device(req.key.device, from_peer=True)})
     conn.quotas.fd_room(conn)
-    manifest = await asyncio.to_thread(_reserved_manifest, req.listing(), conn.version)
+    manifest = await asyncio.to_thread(_reserved_manifest, req.listing(), conn.version, req.series is not None)
     name = f"{key.model}#{key.digest()[:8]}"
     _send_lease(ctx, conn, req.id, await ctx.residency.reserve(name, key, manifest, req.retention, conn,
-                                                               conn.pid, conn.uid))
+                                                               conn.pid, conn.uid, req.series,
+                                                               ctx.is_admin(conn) if req.series else False))
 
 
 def _check_publishable(ctx: Context, conn: Connection, key: WeightCacheKey, retention: str) -> None:
@@ -230,6 +274,10 @@ async def commit(ctx: Context, conn: Connection, req: protocol.Commit) -> None:
     entry = await ctx.residency.commit(conn, req.lease)
     log.info("published %s (%s, %d tensors, pid %d, uid %d)", entry.name, format_size(entry.manifest.nbytes),
              len(entry.manifest), conn.pid, conn.uid)
+    if entry.series is not None:
+        conn.send(protocol.ok(req.id, entry=entry.name, series=entry.series.name, generation=entry.generation,
+                              told=_announce(ctx, entry, "commit")))
+        return
     conn.send(protocol.ok(req.id, entry=entry.name))
 
 
@@ -280,14 +328,18 @@ async def verify(ctx: Context, conn: Connection, req: protocol.Verify) -> None:
                           mismatched=found.mismatched[:MISMATCHES_LISTED], mismatched_count=len(found.mismatched)))
 
 
-def _reserved_manifest(tensors: list[tuple[str, str, list[int]]] | protocol.TensorColumns, version: int) -> Manifest:
-    """The layout of a reserve (rows from v1 peers, columns from v2 ones) and the wire form its
-    publisher gets: a while for 10^5 tensors, so in a worker thread."""
+def _reserved_manifest(tensors: list[tuple[str, str, list[int]]] | protocol.TensorColumns, version: int,
+                       generation: bool = False) -> Manifest:
+    """The layout of a reserve (rows from v1 peers, columns from v2 ones), the wire form its
+    publisher gets and, for a generation, its layout digest: a while for 10^5 tensors, so in a
+    worker thread."""
     if isinstance(tensors, protocol.TensorColumns):
         manifest = Manifest.layout_columns(tensors.model_dump())
     else:
         manifest = Manifest.build(tensors)
     manifest.wire(version)
+    if generation:
+        manifest.layout()
     return manifest
 
 
@@ -335,6 +387,8 @@ OPS: dict[str, Op[Any]] = {
     "commit": Op(protocol.Commit, commit),
     "load": Op(protocol.Load, load),
     "verify": Op(protocol.Verify, verify),
+    "watch": Op(protocol.Watch, watch),
+    "rollback": Op(protocol.Rollback, rollback),
 }
 
 

@@ -39,6 +39,8 @@ from wcd.wire import (  # noqa: F401 - the daemon's one import for the protocol
 )
 
 Name = Annotated[str, StringConstraints(min_length=1, max_length=256)]
+# A series' name: printable, no '@' (its generations are named series@N) and no control characters.
+SeriesName = Annotated[str, StringConstraints(min_length=1, max_length=200, pattern=r"^[^@\x00-\x1f\x7f]+$")]
 Retention = Literal["pinned", "cached", "ephemeral"]
 
 
@@ -87,7 +89,19 @@ class _Target(_Req):
         return self.name if self.name is not None else self.key  # type: ignore[return-value]
 
 
-class Acquire(_Target):
+class _Generation(_Target):
+    """An entry, or the current generation of a series (`series`)."""
+
+    series: SeriesName | None = None
+
+    def series_target(self) -> str | None:
+        """The series asked for, if any (then neither a name nor a key may be given)."""
+        if self.series is not None and (self.name is not None or self.key is not None):
+            raise BadRequest("give exactly one of 'name', 'key' or 'series'")
+        return self.series
+
+
+class Acquire(_Generation):
     op: Literal["acquire"]
     wait: StrictBool = True
     timeout_s: Annotated[float, Field(gt=0, le=24 * 3600)] = 3600.0
@@ -130,6 +144,7 @@ class Reserve(_Req):
     tensors: Annotated[list[TensorRow], Field(max_length=MAX_TENSORS)] | None = None
     columns: TensorColumns | None = None
     retention: Retention = "cached"
+    series: SeriesName | None = None  # reserve the next generation of this series
 
     def listing(self) -> list[TensorRow] | TensorColumns:
         if (self.tensors is None) == (self.columns is None):
@@ -168,8 +183,23 @@ class Metrics(_Req):
     op: Literal["metrics"]
 
 
+class Watch(_Req):
+    """Be told over this connection when a generation of `series` becomes current (an event
+    frame: no id, `event: "generation"`); `stop` ends that."""
+
+    op: Literal["watch"]
+    series: SeriesName
+    stop: StrictBool = False
+
+
+class Rollback(_Req):
+    op: Literal["rollback"]
+    series: SeriesName
+    generation: Annotated[StrictInt, Field(ge=1, lt=1 << 62)] | None = None
+
+
 _REQUESTS: tuple[type[_Req], ...] = (Hello, Ping, Status, ListEntries, Leases, Acquire, Heartbeat, Release,
-                                     Reserve, Commit, Abort, Load, Evict, Verify, Metrics)
+                                     Reserve, Commit, Abort, Load, Evict, Verify, Metrics, Watch, Rollback)
 SCHEMAS: dict[str, type[_Req]] = {m.model_fields["op"].annotation.__args__[0]: m  # type: ignore[union-attr]
                                   for m in _REQUESTS}
 OPS: tuple[str, ...] = tuple(SCHEMAS)

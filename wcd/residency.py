@@ -239,12 +239,15 @@ class Residency:
     # -- publishing -------------------------------------------------------------------------
 
     async def reserve(self, name: str, key: WeightCacheKey, manifest: Manifest, retention: Retention,
-                      owner: Any, pid: int, uid: int) -> Lease:
-        """Admit a published entry (carrying `uid`) and allocate its empty arena: the fill lease,
-        whose TTL starts when the caller hands it out (`Cache.handed_out`)."""
+                      owner: Any, pid: int, uid: int, series: str | None = None, admin: bool = False) -> Lease:
+        """Admit a published entry (carrying `uid`; with `series`, its next generation) and allocate
+        its empty arena: the fill lease, whose TTL starts when the caller hands it out
+        (`Cache.handed_out`)."""
         backend = backend_for(key.device)
         entry, lease, victims = self.cache.reserve(
-            name, key, manifest, backend.arena_size(manifest.size, key.device), retention, owner, pid, uid)
+            name, key, manifest, backend.arena_size(manifest.size, key.device), retention, owner, pid, uid,
+            series, admin)
+        name = entry.name
         self.reclaim(victims)
         entry.life = Life(phase="filling")
         try:
@@ -276,11 +279,21 @@ class Residency:
             finally:
                 record.committing = False
         entry, dropped = self.cache.commit(owner, lease_id)
-        if dropped:
-            self.reclaim(dropped)
+        self.reclaim(dropped)  # this entry, evicted while it was filled, or generations it retired
+        if self.cache.entries.get(entry.name) is not entry:
             raise NotFound(f"{entry.name} was evicted while it was being filled; nothing was published")
         self._set_ready(entry)
         self._verifier.keep_digest(entry, "digest at commit")
+        return entry
+
+    def rollback(self, series: str, uid: int, admin: bool, to: int | None = None) -> Entry:
+        """Make a kept previous generation of `series` current again. The generations after it leave
+        systemd's fd store: a restart makes the newest generation it finds current."""
+        entry, dropped = self.cache.rollback(series, uid, admin, to)
+        self.reclaim(dropped)
+        assert entry.series is not None
+        for newer in [e for g, e in entry.series.generations.items() if g > entry.generation]:
+            adoption.unpark(newer)
         return entry
 
     # -- verifying --------------------------------------------------------------------------
@@ -429,6 +442,14 @@ class Residency:
             await self._drop_loading(entry)
             return
         self.cache.loaded(entry)
+        if "series" in entry.key.extra:
+            layout = await asyncio.to_thread(entry.manifest.layout)
+            try:
+                self.reclaim(self.cache.adopted_generation(entry, layout))
+            except BadRequest as e:
+                log.warning("fd store: dropping %s: %s", entry.name, e.message)
+                self.reclaim(self.cache.load_failed(entry))
+                return
         if entry.origin == "publish":
             self._verifier.keep_digest(entry, "digest at re-adoption after a restart")
         self._set_ready(entry)

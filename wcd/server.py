@@ -79,7 +79,8 @@ class Server:
         began = time.monotonic()
         budgets, devices = device_budgets(config)
         counted = time.monotonic()
-        cache = Cache(budgets, config.daemon.lease_ttl_s, max_entries=config.daemon.max_entries)
+        cache = Cache(budgets, config.daemon.lease_ttl_s, max_entries=config.daemon.max_entries,
+                      keep_generations=config.daemon.keep_generations)
         self.state = ServerState(config, self.instance, cache, devices, self.started_at)
         self.quotas = Quotas(self._limits(config), held_elsewhere=lambda: len(cache.entries))
         metrics = Metrics(self.state)
@@ -188,6 +189,7 @@ class Server:
         self._allowed_gids = new.daemon.allowed_gids()
         cache.lease_ttl_s = new.daemon.lease_ttl_s
         cache.max_entries = new.daemon.max_entries
+        cache.keep_generations = new.daemon.keep_generations
         self.quotas.limits = self._limits(new)
         for model in fresh.values():
             if model.name not in cache.entries:
@@ -282,6 +284,7 @@ class Server:
 
     def _connection_lost(self, conn: Connection) -> None:
         self.state.connections.discard(conn)
+        self.state.watchers.drop(conn)
         self.residency.reclaim(self.state.cache.drop_owner(conn))
 
     async def _close_idle(self) -> None:
