@@ -11,7 +11,7 @@ SPEC := $(shell cat pyproject.toml | sha256sum | cut -c1-12)-$(shell echo '$(TOR
 VENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/wcd/venv-$(SPEC)
 BIN := $(VENV)/bin
 
-.PHONY: venv demo lint test test-unit test-package test-system test-engines package bench clean-venv
+.PHONY: venv demo lint test test-slow test-unit test-package test-system test-engines package bench clean-venv
 
 $(VENV)/.ready:
 	rm -rf "$(VENV)"
@@ -33,9 +33,13 @@ lint: venv
 	"$(BIN)/mypy"
 
 # Lint, then unit, integration (a real daemon over a real socket), CLI and GPU tests (GPU ones skip
-# without a GPU).
+# without a GPU): the everyday run, a few minutes on two cores. The adversarial, soak and timing
+# suites (marked `slow`) are `make test-slow`, which CI runs too.
 test: lint
-	"$(BIN)/python" -m pytest -q -p no:cacheprovider -m "not package and not system" tests
+	"$(BIN)/python" -m pytest -q -p no:cacheprovider -m "not slow and not package and not system" tests
+
+test-slow: venv
+	"$(BIN)/python" -m pytest -q -p no:cacheprovider -m "slow and not package and not system" tests
 
 # Builds the Debian package and checks it (installs debhelper and lintian with apt-get if missing).
 test-package: venv

@@ -18,6 +18,7 @@ import logging
 import os
 import select as _select
 import socket
+import stat
 import struct
 import sys
 import threading
@@ -47,6 +48,18 @@ def default_socket() -> str:
     if not path:
         raise DaemonUnavailable("no daemon socket given: pass one or set WCD_SOCKET (e.g. /run/wcd/NAME.sock)")
     return path
+
+
+def _not_listening(path: str) -> str:
+    """Why nothing answers at `path`: no daemon there, or not a socket at all (a config file, say)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        mode = stat.S_IFSOCK
+    if stat.S_ISSOCK(mode):
+        return f"daemon not running at {path} (is wcd@NAME.socket started?)"
+    what = "a directory" if stat.S_ISDIR(mode) else "a regular file" if stat.S_ISREG(mode) else "a special file"
+    return f"{path} is not a socket but {what}: pass the daemon's socket (/run/wcd/NAME.sock)"
 
 
 class Lease:
@@ -185,7 +198,7 @@ class Client:
         self._replies: dict[int | None, tuple[dict[str, Any], list[int]]] = {}
         self._reading = False
         self._broken: WcdError | None = None
-        self._decoder = wire.FrameDecoder()
+        self._decoder = wire.FrameDecoder(max_array=wire.MAX_REPLY_ARRAY)
         self._leases: dict[int, Lease] = {}
         self._events: deque[dict[str, Any]] = deque(maxlen=1024)  # announcements of watched series
         self._watching: set[str] = set()
@@ -203,7 +216,7 @@ class Client:
             sock.connect(self.path)
         except (FileNotFoundError, ConnectionRefusedError):
             sock.close()
-            raise DaemonUnavailable(f"daemon not running at {self.path} (is wcd@NAME.socket started?)") from None
+            raise DaemonUnavailable(_not_listening(self.path)) from None
         except PermissionError:
             sock.close()
             raise PermissionDenied(f"{self.path}: permission denied (join the socket's group, usually 'wcd')",
@@ -241,7 +254,7 @@ class Client:
         self.sock.close()
         for fd in self._decoder.take_fds():
             os.close(fd)
-        self._decoder = wire.FrameDecoder()
+        self._decoder = wire.FrameDecoder(max_array=wire.MAX_REPLY_ARRAY)
         self._broken = None  # _connect's hello goes through request_fds
         try:
             self._connect()
@@ -531,10 +544,8 @@ class Client:
 
         rows = [(name, dtype if isinstance(dtype, str) else wire_dtype(dtype), list(shape))
                 for name, (dtype, shape) in tensors.items()]
-        listing: dict[str, Any] = {"tensors": rows}
-        if self.server.get("version", 1) >= 2:  # columns: cheap for the daemon to check at 10^5 tensors
-            columns = Manifest.build(rows).to_wire(2)
-            listing = {"columns": {k: columns[k] for k in TENSOR_COLUMNS}}
+        columns = Manifest.build(rows).to_wire()  # cheap for the daemon to check at 10^5 tensors
+        listing: dict[str, Any] = {"columns": {k: columns[k] for k in TENSOR_COLUMNS}}
         if series is not None:
             listing["series"] = series
         reply, fds = self.request_fds("reserve", key=key.model_dump(), retention=retention, **listing)

@@ -35,6 +35,16 @@ _UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 
           "T": 10**12, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+# What a device may be called: host memory, a CUDA ordinal, or a GPU UUID (`wcd.arenas.cudrv.resolve_gpu`).
+_DEVICE = re.compile(r"cpu|cuda(?::\d{1,4})?|GPU-[0-9A-Fa-f-]{1,64}")
+
+
+def check_device(name: str) -> str:
+    """`name` if it is spelled like a device; `ValueError` saying how to spell one otherwise. Whether
+    that GPU exists is known only when the daemon starts (`wcd.devices.device_budgets`)."""
+    if not _DEVICE.fullmatch(name):
+        raise ValueError(f"unknown device {name!r}: use \"cpu\", \"cuda:N\" or a GPU UUID (\"GPU-...\")")
+    return name
 
 
 def parse_size(value: int | str, total: int | None = None) -> int:
@@ -66,6 +76,12 @@ def format_size(n: float) -> str:
     """Bytes for people, in the unit that fits: "512 B", "25.0 MiB", "3.4 GiB"."""
     scale, unit = _fitting_unit(n)
     return f"{n:.0f} {unit}" if unit == "B" else f"{n / scale:.1f} {unit}"
+
+
+def counted(n: int, what: str) -> str:
+    """A count for people: "1 entry", "2 entries", "0 leases"."""
+    many = what[:-1] + "ies" if what.endswith("y") else what + "s"
+    return f"{n} {what if n == 1 else many}"
 
 
 def format_progress(done: int, total: int) -> str:
@@ -167,6 +183,7 @@ class DaemonConfig(BaseModel):
     def _sizes(cls, v: dict[str, int | str]) -> dict[str, int | str]:
         for device, size in v.items():
             try:
+                check_device(device)
                 parse_size(size)
             except ValueError as e:
                 raise ValueError(f"{device}: {e}") from None
@@ -221,6 +238,11 @@ class ModelConfig(BaseModel):
     # Shards that are symbolic links are followed only while they stay inside `path` (openat2
     # RESOLVE_BENEATH); true follows them anywhere (a Hugging Face cache's snapshots/ -> blobs/).
     follow_symlinks: bool = False
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        return check_device(v)
 
     @field_validator("path")
     @classmethod

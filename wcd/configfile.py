@@ -8,6 +8,8 @@ are about two thirds of the daemon's start-up. `wcd.config.load_config` reads fi
 
 from __future__ import annotations
 
+import os
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,11 +22,34 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 CONFIG_DIR = Path("/etc/wcd")
-RUN_DIR = Path("/run/wcd")
+# Where instances put their sockets (`/run/wcd/NAME.sock`, as the units do); WCD_RUN_DIR moves it
+# for the daemon and wcdctl alike (a user's own daemons, tests).
+RUN_DIR = Path(os.environ.get("WCD_RUN_DIR") or "/run/wcd")
 
 
 def instance_config_path(instance: str) -> Path:
     return CONFIG_DIR / f"{instance}.toml"
+
+
+def instance_socket_path(instance: str) -> Path:
+    return RUN_DIR / f"{instance}.sock"
+
+
+def instance_sockets() -> list[Path]:
+    """The sockets in RUN_DIR, sorted: the instances that may be running."""
+    try:
+        with os.scandir(RUN_DIR) as it:
+            found = [Path(e.path) for e in it if e.name.endswith(".sock") and _is_socket(e)]
+    except OSError:  # no such directory, or not ours to read
+        return []
+    return sorted(found)
+
+
+def _is_socket(entry: os.DirEntry[str]) -> bool:
+    try:
+        return stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode)
+    except OSError:
+        return False
 
 
 def read_toml(path: Path) -> dict[str, Any]:

@@ -12,8 +12,8 @@ import asyncio
 import logging
 
 from wcd.arenas import ArenaBackend, backend_for, device_memory, is_gpu_device
-from wcd.config import Config, parse_size
-from wcd.errors import BadRequest, DeviceUnavailable, WcdError
+from wcd.config import Config, format_size, parse_size
+from wcd.errors import BadRequest, ConfigError, DeviceUnavailable, WcdError
 from wcd.key import HOST_DEVICE, WeightCacheKey
 from wcd.loader import default_workers
 from wcd.offloop import quiet
@@ -24,19 +24,32 @@ log = logging.getLogger("wcd")
 DEFAULT_BUDGET = {"cpu": "50%", "cuda": "90%"}
 
 
-def device_budgets(config: Config) -> tuple[dict[str, int], dict[str, str]]:
+def device_budgets(config: Config, source: object = "") -> tuple[dict[str, int], dict[str, str]]:
     """(budget per canonical device, configured name -> canonical id): configured budgets, every
-    model's device, and host memory."""
+    model's device, and host memory. A GPU the host does not have is a `ConfigError` naming the
+    field (`source`: the config file, for the message); a budget above the device's memory is
+    said at warning level (loads then fail when the memory runs out, not at the budget)."""
     wanted: dict[str, int | str] = {HOST_DEVICE: DEFAULT_BUDGET["cpu"]}
-    for model in config.models:
+    fields: dict[str, str] = {}
+    for i, model in enumerate(config.models):
         wanted.setdefault(model.device, DEFAULT_BUDGET["cuda" if model.device != HOST_DEVICE else "cpu"])
+        fields.setdefault(model.device, f"models.{i}.device")
     wanted.update(config.daemon.budget)
+    fields.update({device: f"daemon.budget.{device}" for device in config.daemon.budget})
     budgets: dict[str, int] = {}
     devices: dict[str, str] = {}
     for device, size in wanted.items():
-        canonical, total = device_memory(device)
+        try:
+            canonical, total = device_memory(device)
+        except BadRequest as e:
+            where = f"config {source}: " if source else ""
+            raise ConfigError(f"{where}{fields.get(device, device)}: {e.message}") from None
         devices[device] = canonical
         budgets[canonical] = parse_size(size, total)
+        if budgets[canonical] > total:
+            log.warning("%s: budget %s is more than %s's %s of memory: loads past that fail when the memory "
+                        "runs out; a fraction (\"90%%\") fits any machine", fields.get(device, device),
+                        format_size(budgets[canonical]), device, format_size(total))
     return budgets, devices
 
 

@@ -1,6 +1,6 @@
 """Errors with stable wire codes.
 
-Every failure a peer can see is a `WcdError` subclass whose `code` is part of protocol v1.
+Every failure a peer can see is a `WcdError` subclass whose `code` is part of the protocol.
 The classes know nothing about sockets: the server turns them into error replies and the
 client turns error replies back into them (`from_wire`).
 """

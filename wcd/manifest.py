@@ -2,11 +2,10 @@
 
 A manifest never allocates memory. Tensors are C-contiguous, so strides follow from the shape.
 It is stored as columns (names, dtype codes, an index into a table of distinct shapes, offsets)
-and travels that way (protocol v2): raw MoE checkpoints have 10^5 tensors, and an engine pays
-for every per-tensor Python step on its start-up clock. `Manifest.from_wire` validates an
-untrusted layout completely (names, dtypes, shapes, alignment, bounds, overlaps) with bulk
-operations on the columns, never a Python step per tensor. Protocol v1's rows are still read
-and written for v1 peers. No torch here.
+and travels that way: raw MoE checkpoints have 10^5 tensors, and an engine pays for every
+per-tensor Python step on its start-up clock. `Manifest.from_wire` validates an untrusted
+layout completely (names, dtypes, shapes, alignment, bounds, overlaps) with bulk operations on
+the columns, never a Python step per tensor. No torch here.
 """
 
 from __future__ import annotations
@@ -91,11 +90,6 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-@lru_cache(maxsize=4096)
-def _layout_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
-    return tensor_nbytes("", dtype, shape)
-
-
 def tensor_nbytes(name: str, dtype: str, shape: Sequence[int]) -> int:
     """Validate one (dtype, shape) and return its size in bytes."""
     size = DTYPE_SIZES.get(dtype) if type(dtype) is str else None
@@ -151,7 +145,7 @@ class Manifest:
         self.names, self.dtype_codes, self.shapes = names, dtype_codes, shapes
         self.shape_ids, self.offsets, self.sizes, self.size = shape_ids, offsets, sizes, size
         self.runs = runs if runs is not None else array("I", [1]) * len(names)
-        self._wire: dict[int, dict[str, Any]] = {}
+        self._wire: dict[str, Any] | None = None
         self._layout: str | None = None
         self.view_plan: Any = None
 
@@ -267,10 +261,8 @@ class Manifest:
 
     # -- the wire -----------------------------------------------------------------------------
 
-    def to_wire(self, version: int = 2) -> dict[str, Any]:
-        """The manifest as protocol `version` sends it: v2 columns, v1 rows."""
-        if version == 1:
-            return {"size": self.size, "tensors": [[t.name, t.dtype, list(t.shape), t.offset] for t in self.tensors]}
+    def to_wire(self) -> dict[str, Any]:
+        """The manifest as the wire sends it: columns."""
         return {
             "size": self.size,
             "names": "\0".join(self.names),
@@ -282,19 +274,18 @@ class Manifest:
             "runs": _le_bytes(self.runs),
         }
 
-    def wire(self, version: int) -> dict[str, Any]:
-        """What the daemon sends on every acquire, built once per version: v2 columns in runs."""
-        cached = self._wire.get(version)
-        if cached is None:
-            cached = self._wire[version] = self.grouped().to_wire(version) if version >= 2 else self.to_wire(1)
-        return cached
+    def wire(self) -> dict[str, Any]:
+        """What the daemon sends on every acquire, built once: the columns in runs."""
+        if self._wire is None:
+            self._wire = self.grouped().to_wire()
+        return self._wire
 
     def layout(self) -> str:
         """A digest of the layout (names, dtypes, shapes, offsets, size): equal for two manifests
         exactly when one arena's bytes can be read through the other's views. Kept once computed."""
         digest = self._layout
         if digest is None:
-            wire = self.to_wire(2)
+            wire = self.to_wire()
             h = hashlib.blake2b(digest_size=16)
             for column in ("names", "dtypes", "shape_ndims", "shape_dims", "shape_ids", "offsets"):
                 data = wire[column]
@@ -304,20 +295,18 @@ class Manifest:
             digest = self._layout = h.hexdigest()
         return digest
 
-    def wire_ready(self, version: int) -> bool:
-        """Whether `wire(version)` is built (building it for 10^5 tensors takes a while)."""
-        return version in self._wire
+    def wire_ready(self) -> bool:
+        """Whether `wire()` is built (building it for 10^5 tensors takes a while)."""
+        return self._wire is not None
 
     @classmethod
     def from_wire(cls, obj: Any) -> Manifest:
-        """Validate an untrusted manifest, v2 columns or v1 rows: names, dtypes and shapes valid,
-        every tensor aligned and inside `size`, no two overlapping. Raises `BadRequest` only."""
-        if isinstance(obj, dict) and "tensors" in obj:
-            return cls._from_rows(obj)
+        """Validate an untrusted manifest's columns: names, dtypes and shapes valid, every tensor
+        aligned and inside `size`, no two overlapping. Raises `BadRequest` only."""
         if not isinstance(obj, dict) or type(obj.get("size")) is not int or not isinstance(obj.get("names"), str) \
                 or not all(type(obj.get(k)) is bytes for k in _COLUMNS):
             raise BadRequest("manifest must be {size: int, names: str, " + ", ".join(f"{k}: bin" for k in _COLUMNS)
-                             + "} (protocol v2) or {size: int, tensors: [[name, dtype, shape, offset], ...]}")
+                             + "}")
         size, offs_b, n = obj["size"], obj["offsets"], len(obj["dtypes"])
         if size <= 0 or size > MAX_DIM:
             raise BadRequest(f"manifest size {size} out of range")
@@ -401,46 +390,6 @@ class Manifest:
         if size > MAX_DIM:
             raise BadRequest(f"the tensors need {size} bytes, more than an arena can hold")
         return cls(names, codes, shapes, ids, offsets, sizes, size)
-
-    @classmethod
-    def _from_rows(cls, obj: dict[str, Any]) -> Manifest:
-        """Protocol v1: {size, tensors: [[name, dtype, shape, offset], ...]}."""
-        if type(obj.get("size")) is not int or not isinstance(obj.get("tensors"), list):
-            raise BadRequest("manifest must be {size: int, tensors: [[name, dtype, shape, offset], ...]}")
-        size, rows = obj["size"], obj["tensors"]
-        if size <= 0 or size > MAX_DIM or len(rows) > MAX_TENSORS:
-            raise BadRequest(f"manifest size {size} or tensor count {len(rows)} out of range")
-        names: list[str] = []
-        codes = bytearray()
-        shape_index: dict[tuple[int, ...], int] = {}
-        ids, offsets, sizes = array("I"), array("Q"), []
-        seen: set[str] = set()
-        for row in rows:
-            if not isinstance(row, (list, tuple)) or len(row) != 4 or not isinstance(row[2], (list, tuple)):
-                raise BadRequest(f"manifest row {row!r:.80} is not [name, dtype, shape, offset]")
-            name, dtype, shape, offset = _check_name(row[0], printable=False), row[1], tuple(row[2]), row[3]
-            if name in seen:
-                raise BadRequest(f"tensor {name!r} appears twice", {"tensor": name})
-            seen.add(name)
-            # The cache compares by ==, so 1.0 and True would pass for 1: only exact ints go through it.
-            if type(dtype) is str and all(type(d) is int for d in shape):
-                try:
-                    nbytes = _layout_nbytes(dtype, shape)
-                except BadRequest:
-                    nbytes = tensor_nbytes(name, dtype, shape)  # the same error, naming the tensor
-            else:
-                nbytes = tensor_nbytes(name, dtype, shape)
-            if type(offset) is not int or offset < 0 or offset % ALIGN or offset + nbytes > size:
-                raise BadRequest(f"tensor {name!r}: offset {offset!r} not aligned or outside the arena",
-                                 {"tensor": name})
-            names.append(name)
-            codes.append(DTYPE_CODES[dtype])
-            ids.append(shape_index.setdefault(shape, len(shape_index)))
-            offsets.append(offset)
-            sizes.append(nbytes)
-        manifest = cls(tuple(names), bytes(codes), tuple(shape_index), ids, offsets, sizes, size)
-        check_overlaps(manifest.names, offsets, sizes, list(map(add, offsets, sizes)))
-        return manifest
 
 
 _COLUMNS = ("dtypes", "shape_ndims", "shape_dims", "shape_ids", "offsets", "runs")

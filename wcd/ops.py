@@ -239,9 +239,9 @@ async def acquire(ctx: Context, conn: Connection, req: protocol.Acquire) -> None
 
 
 async def _wire_ready(ctx: Context, conn: Connection, entry: Entry) -> None:
-    """Build the manifest's wire form once per entry and version (10^5 tensors take a while)."""
-    if not entry.manifest.wire_ready(conn.version):
-        await asyncio.to_thread(entry.manifest.wire, conn.version)
+    """Build the manifest's wire form once per entry (10^5 tensors take a while)."""
+    if not entry.manifest.wire_ready():
+        await asyncio.to_thread(entry.manifest.wire)
         if ctx.state.cache.entries.get(entry.name) is not entry:
             raise NotFound(f"entry {entry.name!r} was evicted while it was being acquired")
 
@@ -250,7 +250,7 @@ async def reserve(ctx: Context, conn: Connection, req: protocol.Reserve) -> None
     _check_publishable(ctx, conn, req.key, req.retention)
     key = req.key.model_copy(update={"device": ctx.residency.canonical_device(req.key.device, from_peer=True)})
     conn.quotas.fd_room(conn)
-    manifest = await asyncio.to_thread(_reserved_manifest, req.listing(), conn.version, req.series is not None)
+    manifest = await asyncio.to_thread(_reserved_manifest, req.columns, req.series is not None)
     name = f"{key.model}#{key.digest()[:8]}"
     _send_lease(ctx, conn, req.id, await ctx.residency.reserve(name, key, manifest, req.retention, conn,
                                                                conn.pid, conn.uid, req.series,
@@ -328,16 +328,11 @@ async def verify(ctx: Context, conn: Connection, req: protocol.Verify) -> None:
                           mismatched=found.mismatched[:MISMATCHES_LISTED], mismatched_count=len(found.mismatched)))
 
 
-def _reserved_manifest(tensors: list[tuple[str, str, list[int]]] | protocol.TensorColumns, version: int,
-                       generation: bool = False) -> Manifest:
-    """The layout of a reserve (rows from v1 peers, columns from v2 ones), the wire form its
-    publisher gets and, for a generation, its layout digest: a while for 10^5 tensors, so in a
-    worker thread."""
-    if isinstance(tensors, protocol.TensorColumns):
-        manifest = Manifest.layout_columns(tensors.model_dump())
-    else:
-        manifest = Manifest.build(tensors)
-    manifest.wire(version)
+def _reserved_manifest(tensors: protocol.TensorColumns, generation: bool = False) -> Manifest:
+    """The layout of a reserve, the wire form its publisher gets and, for a generation, its layout
+    digest: a while for 10^5 tensors, so in a worker thread."""
+    manifest = Manifest.layout_columns(tensors.model_dump())
+    manifest.wire()
     if generation:
         manifest.layout()
     return manifest
@@ -349,7 +344,7 @@ def _send_lease(ctx: Context, conn: Connection, req_id: int, lease: Lease) -> No
     conn.send(protocol.ok(
         req_id, lease=lease.id, kind=lease.kind, entry=entry.name, key=entry.key.model_dump(),
         origin=entry.origin, publisher_uid=entry.publisher,
-        manifest=entry.manifest.wire(conn.version), ttl_s=ctx.state.cache.lease_ttl_s,
+        manifest=entry.manifest.wire(), ttl_s=ctx.state.cache.lease_ttl_s,
         arena={"kind": arena.kind, "size": arena.size, "device": arena.device}), [arena.fd()])
 
 

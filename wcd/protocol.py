@@ -117,15 +117,8 @@ class Release(_Req):
     lease: StrictInt
 
 
-TensorRow = tuple[
-    Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME_LEN)],
-    Annotated[str, StringConstraints(max_length=16)],
-    Annotated[list[StrictInt], Field(max_length=MAX_NDIM)],
-]
-
-
 class TensorColumns(BaseModel):
-    """Protocol v2's reserve: the tensors as columns (see `Manifest.to_wire`), so 10^5 tensors
+    """A reserve's tensors as columns (see `Manifest.to_wire`), so 10^5 tensors
     cost the loop a few bounded strings here; `Manifest.layout_columns` checks them in a thread."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
@@ -137,19 +130,11 @@ class TensorColumns(BaseModel):
 
 
 class Reserve(_Req):
-    """The tensors as rows (`tensors`, protocol v1) or as columns (`columns`, v2): exactly one."""
-
     op: Literal["reserve"]
     key: WeightCacheKey
-    tensors: Annotated[list[TensorRow], Field(max_length=MAX_TENSORS)] | None = None
-    columns: TensorColumns | None = None
+    columns: TensorColumns
     retention: Retention = "cached"
     series: SeriesName | None = None  # reserve the next generation of this series
-
-    def listing(self) -> list[TensorRow] | TensorColumns:
-        if (self.tensors is None) == (self.columns is None):
-            raise BadRequest("reserve: give exactly one of 'tensors' (rows) or 'columns'")
-        return self.tensors if self.tensors is not None else self.columns  # type: ignore[return-value]
 
 
 class Commit(_Req):

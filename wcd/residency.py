@@ -276,6 +276,10 @@ class Residency:
             record.committing = True
             try:
                 await using(None, lease.entry.arena, lambda arena: arena.seal())
+            except BadRequest:  # the arena is not what the daemon handed out: it is never published
+                if self.cache.leases.get(lease_id) is lease:
+                    self.reclaim(self.cache.abort(owner, lease_id))
+                raise
             finally:
                 record.committing = False
         entry, dropped = self.cache.commit(owner, lease_id)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import functools
-import grp
 import logging
 import os
 import pwd
@@ -21,19 +20,18 @@ import signal
 import socket
 import struct
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-from wcd import __version__, ops, protocol, systemd, workers
+from wcd import __version__, ops, protocol, socketpath, systemd, workers
 from wcd.cache import Cache
-from wcd.config import Config, format_progress, format_size, load_config
+from wcd.config import Config, counted, format_progress, format_size, load_config
 from wcd.connection import Connection, Limits, Quotas, start_closers
 from wcd.devices import device_budgets
-from wcd.errors import BadRequest, Busy, ConfigError, Internal, NotFound, PermissionDenied, WcdError
+from wcd.errors import BadRequest, Busy, ConfigError, NotFound, PermissionDenied, WcdError
 from wcd.metrics import Metrics
 from wcd.metrics_http import MetricsHttp
 from wcd.residency import RELEASE_WAIT_S, Residency
@@ -58,7 +56,8 @@ class Server:
         self._parked_fds = parked_fds or []  # from systemd's fd store, adopted at startup
         self.metrics_http: MetricsHttp | None = None
         self._listener: socket.socket | None = None
-        self._bound_path: Path | None = None
+        self._claim: socketpath.Claim | None = None  # the path we bound ourselves (not socket-activated)
+        self._where = ""  # what we listen on, for status
         self._tasks: set[asyncio.Task[Any]] = set()
         self._allowed_gids = config.daemon.allowed_gids()
         self._fd_limit = _raise_fd_limit()
@@ -72,16 +71,27 @@ class Server:
     # -- lifecycle --------------------------------------------------------------------------
 
     async def startup(self) -> None:
+        # The socket first: a second daemon on the same path gives up before it admits (and
+        # allocates) anything. Connections wait in the backlog until the configured models are admitted.
+        self._listen()
+        try:
+            await self._start()
+        except BaseException:
+            self._unlisten()
+            raise
+
+    async def _start(self) -> None:
         loop = asyncio.get_running_loop()
         self.executor = executor = workers.loop_executor()
         loop.set_default_executor(executor)
         config = self._config
         began = time.monotonic()
-        budgets, devices = device_budgets(config)
+        budgets, devices = device_budgets(config, self.config_path or "")
         counted = time.monotonic()
         cache = Cache(budgets, config.daemon.lease_ttl_s, max_entries=config.daemon.max_entries,
                       keep_generations=config.daemon.keep_generations)
         self.state = ServerState(config, self.instance, cache, devices, self.started_at)
+        self.state.where = self._where
         self.quotas = Quotas(self._limits(config), held_elsewhere=lambda: len(cache.entries))
         metrics = Metrics(self.state)
         self.residency = Residency(self.state, metrics, self._spawn)
@@ -101,7 +111,8 @@ class Server:
         if address is not None:
             self.metrics_http = MetricsHttp(*address, metrics.text)
             await self.metrics_http.start()
-        self._listen()
+        assert self._listener is not None
+        loop.add_reader(self._listener.fileno(), self._accept)
         log.info("wcd %s serving %s (devices: %s)", __version__, self.state.where, ", ".join(budgets))
         self._notify("ready", self.status_line())
         ready, since_exec = time.monotonic(), _since_exec()
@@ -133,12 +144,7 @@ class Server:
     async def shutdown(self) -> None:
         if self.metrics_http is not None:
             await self.metrics_http.stop()
-        if self._listener is not None:
-            asyncio.get_running_loop().remove_reader(self._listener.fileno())
-            if self.listen_fd is None:
-                self._listener.close()
-                if self._bound_path is not None:
-                    self._bound_path.unlink(missing_ok=True)
+        self._unlisten()
         for conn in list(self.state.connections):
             conn.close()
         self.residency.cancel_loads()
@@ -224,18 +230,29 @@ class Server:
         await asyncio.to_thread(Metrics.warm)
 
     def _listen(self) -> None:
-        daemon = self.state.config.daemon
+        """Take the listening socket (passed by systemd, or bound and locked here); not yet accepting."""
+        daemon = self._config.daemon
         if self.listen_fd is not None:
             sock = socket.socket(fileno=self.listen_fd)
-            self.state.where = f"socket-activated fd {self.listen_fd}"
+            self._where = f"socket-activated fd {self.listen_fd}"
         else:
             assert daemon.socket is not None
-            sock = _bind(daemon.socket, daemon.allowed_groups)
-            self._bound_path = daemon.socket
-            self.state.where = str(daemon.socket)
+            self._claim = socketpath.claim(daemon.socket, daemon.allowed_groups)
+            sock = self._claim.sock
+            self._where = str(daemon.socket)
         sock.setblocking(False)
         self._listener = sock
-        asyncio.get_running_loop().add_reader(sock.fileno(), self._accept)
+
+    def _unlisten(self) -> None:
+        """Stop accepting; give back the path we bound (systemd's socket stays open: it is systemd's)."""
+        if self._listener is None:
+            return
+        asyncio.get_running_loop().remove_reader(self._listener.fileno())
+        if self._claim is not None:
+            self._claim.release()
+        else:
+            self._listener.detach()
+        self._listener = None
 
     def _accept(self) -> None:
         assert self._listener is not None
@@ -330,7 +347,8 @@ class Server:
             more = f" (+{len(loading) - 1} more)" if len(loading) > 1 else ""
             return f"loading {e.name} {format_progress(e.done_bytes, e.manifest.nbytes)}{more}"
         held = sum(e.nbytes for e in cache.entries.values())
-        return f"serving {len(cache.entries)} entries, {len(cache.leases)} leases, {format_size(held)}"
+        return (f"serving {counted(len(cache.entries), 'entry')}, {counted(len(cache.leases), 'lease')}, "
+                f"{format_size(held)}")
 
     async def _report_status(self) -> None:
         last = ""
@@ -389,59 +407,6 @@ def _fd_reserve(limit: int) -> int:
     """Descriptors kept out of every budget: for accepting a peer to tell it `busy`, loads' checkpoint
     files, the fd store's records, logging."""
     return max(64, limit // 8)
-
-
-def _bind(path: Path, groups: list[str]) -> socket.socket:
-    """Bind the listening socket with mode 0660 (group: the first allowed group, if we may).
-    A failure other than permission (a full disk, a missing parent) is one line."""
-    try:
-        return _bind_at(path, groups)
-    except PermissionError:
-        raise  # the CLI says which file and what to do
-    except OSError as e:
-        raise Internal(f"cannot create the socket {path}: {e.strerror or e} (free space there, "
-                       "or pick another --socket)") from None
-
-
-def _bind_at(path: Path, groups: list[str]) -> socket.socket:
-    """The socket is bound, given its group and mode in a private directory next to `path`, then
-    renamed onto it: a peer who can write to the socket's directory can swap `path` for a symlink
-    at any moment, and chmod/chown by path would follow it (fchmod on a socket fd does not reach
-    the bound inode). rename replaces whatever `path` is then, without following it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists() or path.is_symlink():
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(str(path))
-            raise Busy(f"another daemon already serves {path}")
-        except (ConnectionRefusedError, FileNotFoundError, NotADirectoryError):
-            pass  # stale socket from a crashed daemon: the rename below replaces it
-        finally:
-            probe.close()
-    private = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))  # mode 0700, ours
-    staged = private / "sock"
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        old = os.umask(0o117)
-        try:
-            sock.bind(str(staged))
-        finally:
-            os.umask(old)
-        os.chmod(staged, 0o660)  # what the umask gave; explicit, and safe here: nobody else can reach `private`
-        if groups:
-            try:
-                os.chown(staged, -1, grp.getgrnam(groups[0]).gr_gid, follow_symlinks=False)
-            except PermissionError:
-                log.warning("cannot give %s to group %s (not root and not a member)", path, groups[0])
-        os.rename(staged, path)
-    except BaseException:
-        sock.close()
-        staged.unlink(missing_ok=True)
-        raise
-    finally:
-        private.rmdir()
-    sock.listen(512)
-    return sock
 
 
 def _since_exec() -> float | None:

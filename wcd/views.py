@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from wcd.arenas.base import SEALS, SIZE_SEALS, memfd_problem
 from wcd.errors import BadRequest
 from wcd.gcpause import gc_paused
 from wcd.manifest import DTYPES, ITEMSIZES, Manifest, contiguous_strides
@@ -226,6 +227,12 @@ def map_arena(arena: dict[str, Any], fd: int, manifest: Manifest, writable: bool
             host = HostMapping(fd, size)
             return MappedArena(host.take_base(), manifest, host)
         if kind == "host":
+            # Fill leases may still write; what a reader maps must not change or shrink under it.
+            seals = SIZE_SEALS if writable else SEALS
+            problem = memfd_problem(fd, size, seals)
+            if problem:
+                raise BadRequest(f"refusing to map the host arena: {problem} (the daemon or its publisher "
+                                 "did not hand out a sealed arena)")
             flags = mmap.MAP_SHARED if writable else mmap.MAP_PRIVATE
             mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             # Through a memoryview, the views hold a buffer export on the mmap, so mm.close() refuses

@@ -20,14 +20,19 @@ from typing import Any
 import msgpack
 
 from wcd.errors import BadRequest, ProtocolError
-from wcd.manifest import MAX_TENSORS
 
-# Version 2: manifests in replies are columnar (`Manifest.to_wire`); version 1 peers get rows.
+# Version 2: manifests travel as columns (`Manifest.to_wire`). Version 1's rows (one msgpack array
+# per tensor) never shipped in a release and are not spoken.
 PROTOCOL_VERSION = 2
-SUPPORTED_VERSIONS = (1, 2)
+SUPPORTED_VERSIONS = (2,)
 MAX_FRAME_BYTES = 32 * 1024 * 1024
 MAX_FDS_PER_FRAME = 16
 MAX_LEASES_PER_HEARTBEAT = 4096
+# The longest array a request holds (a heartbeat's lease ids): the decoder refuses a longer one
+# before building it, so a frame of 10^5 small arrays costs the loop a refusal, not a parse.
+MAX_REQUEST_ARRAY = MAX_LEASES_PER_HEARTBEAT
+# The longest array a reply holds (`list`'s entries, up to the daemon's max_entries).
+MAX_REPLY_ARRAY = 1 << 20
 _LEN = struct.Struct(">I")
 
 
@@ -59,10 +64,13 @@ class FrameDecoder:
     the fds returned by `take_fds()`.
     """
 
-    def __init__(self, max_frame: int = MAX_FRAME_BYTES) -> None:
+    def __init__(self, max_frame: int = MAX_FRAME_BYTES, max_array: int = MAX_REQUEST_ARRAY) -> None:
+        """`max_array`: the longest msgpack array a frame may hold (requests by default; a client
+        reading replies gives `MAX_REPLY_ARRAY`)."""
         self._buf = bytearray()
         self._fds: deque[int] = deque()
         self._max_frame = max_frame
+        self._max_array = max_array
 
     def feed(self, data: bytes, fds: Sequence[int] = ()) -> None:
         self._buf += data
@@ -91,8 +99,13 @@ class FrameDecoder:
         del self._buf[: 4 + n]
         try:
             msg = msgpack.unpackb(
-                body, raw=False, strict_map_key=True, max_array_len=MAX_TENSORS + 1, max_map_len=4096,
+                body, raw=False, strict_map_key=True, max_array_len=self._max_array, max_map_len=4096,
             )
+        except ValueError as e:
+            if "exceeds max_array_len" not in str(e):
+                raise ProtocolError(f"frame is not valid msgpack ({type(e).__name__})") from None
+            raise ProtocolError(f"frame holds an array longer than {self._max_array} items (protocol v1 rows "
+                                "are not spoken: upgrade the client)") from None
         except Exception as e:  # msgpack raises several unrelated types for corrupt input
             raise ProtocolError(f"frame is not valid msgpack ({type(e).__name__})") from None
         if not isinstance(msg, dict):

@@ -5,10 +5,22 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 from pathlib import Path
 from typing import Any
 
 from wcd import wire
+from wcd.manifest import DTYPES
+
+
+def columns(rows: list[list[Any]]) -> dict[str, Any]:
+    """A reserve's `columns` for [name, dtype, shape] rows, one shape per row, unchecked (an attack
+    may send what `Manifest.build` refuses)."""
+    dims = [d for _, _, shape in rows for d in shape]
+    return {"names": "\0".join(name for name, _, _ in rows), "dtypes": bytes(DTYPES.index(t) for _, t, _ in rows),
+            "shape_ndims": bytes(len(shape) for _, _, shape in rows),
+            "shape_dims": struct.pack(f"<{len(dims)}Q", *dims),
+            "shape_ids": struct.pack(f"<{len(rows)}I", *range(len(rows)))}
 
 
 class Raw:

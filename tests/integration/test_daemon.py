@@ -197,7 +197,7 @@ def test_malformed_and_oversize_frames_get_errors_and_daemon_keeps_serving(make_
         s.sendall(protocol.encode({"op": "ping", "id": 1}))
         r = _read_reply(s)
         assert r["id"] == 1 and r["error"]["code"] == "bad_request" and "hello" in r["error"]["message"]
-        s.sendall(protocol.encode({"op": "hello", "id": 2, "versions": [1]}))
+        s.sendall(protocol.encode({"op": "hello", "id": 2, "versions": [2]}))
         assert _read_reply(s)["ok"] is True
         s.sendall(protocol.encode({"op": "explode", "id": 3}))
         r = _read_reply(s)
@@ -302,6 +302,7 @@ def test_evict_waits_for_leases(make_daemon, checkpoint):
             c.evict("m")
 
 
+@pytest.mark.slow
 def test_loop_answers_while_a_large_load_runs(make_daemon, tmp_path):
     big = sparse_checkpoint(tmp_path / "big.safetensors", 3 << 30)
     d = make_daemon("load_workers = 2\n")
@@ -458,29 +459,30 @@ def test_second_daemon_on_same_socket_refuses(make_daemon):
         c.ping()
 
 
-def test_hello_negotiates_the_manifest_format(make_daemon, checkpoint, monkeypatch):
-    """v2 peers get columnar manifests, v1 peers (wcd 0.1 clients) still get rows; both attach."""
+def test_protocol_v1_is_refused_in_one_line(make_daemon, checkpoint):
+    """Protocol v1 (manifests as rows) never shipped: a peer that speaks only it is told to upgrade;
+    one that also speaks v2 gets v2 and columns."""
     path, tensors = checkpoint
     d = make_daemon(model_config(path))
-    for versions, form in (([1], "tensors"), ([1, 2], "names")):
-        s = _raw(d)
-        dec = protocol.FrameDecoder()
-        replies = []
-        s.sendall(protocol.encode({"op": "hello", "id": 1, "versions": versions}) +
-                  protocol.encode({"op": "acquire", "id": 2, "name": "m"}))
-        while len(replies) < 2:
-            data, anc, _, _ = s.recvmsg(1 << 20, socket.CMSG_SPACE(64))
-            dec.feed(data, protocol.fds_from_ancillary(anc))
-            while (item := dec.next_message()) is not None:
-                replies.append(item)
-        (hello, _), (acquired, fds) = replies
-        assert hello["version"] == max(versions) and len(fds) == 1
-        assert form in acquired["manifest"]
-        os.close(fds[0])
-        s.close()
-    from wcd import wire
-
-    monkeypatch.setattr(wire, "SUPPORTED_VERSIONS", (1,))
+    s = _raw(d)
+    s.sendall(protocol.encode({"op": "hello", "id": 1, "versions": [1]}))
+    refused = _read_reply(s)["error"]
+    assert refused["code"] == "unsupported_version" and "upgrade the older side" in refused["message"]
+    assert "\n" not in refused["message"]
+    s.close()
+    s = _raw(d)
+    dec = protocol.FrameDecoder()
+    replies = []
+    s.sendall(protocol.encode({"op": "hello", "id": 1, "versions": [1, 2]}) +
+              protocol.encode({"op": "acquire", "id": 2, "name": "m"}))
+    while len(replies) < 2:
+        data, anc, _, _ = s.recvmsg(1 << 20, socket.CMSG_SPACE(64))
+        dec.feed(data, protocol.fds_from_ancillary(anc))
+        while (item := dec.next_message()) is not None:
+            replies.append(item)
+    (hello, _), (acquired, fds) = replies
+    assert hello["version"] == 2 and len(fds) == 1 and "names" in acquired["manifest"]
+    os.close(fds[0])
+    s.close()
     with d.client() as c, c.acquire("m") as lease:
-        assert c.server["version"] == 1
         assert all(same(lease.tensors[n], t) for n, t in tensors.items())

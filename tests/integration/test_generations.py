@@ -11,6 +11,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -166,7 +167,7 @@ def test_a_trainer_killed_mid_reserve_leaves_the_series_on_its_generation(make_d
         from wcd.client import Client
         from wcd.key import WeightCacheKey
         c = Client({str(daemon.socket)!r})
-        shapes = {f"layers.{i}.w": (torch.float32, (4096,)) for i in range(8)}
+        shapes = dict(("layers.%d.w" % i, (torch.float32, (4096,))) for i in range(8))
         shapes["embed"] = (torch.int64, (2048,))
         fill = c.reserve(WeightCacheKey(model="p", transform="generations"), shapes, series="p")
         fill.tensors["embed"].fill_(7)

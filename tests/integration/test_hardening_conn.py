@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 
 from tests.integration.conftest import Daemon
-from tests.integration.peers import Raw
+from tests.integration.peers import Raw, columns
 from tests.integration.pings import assert_fast, pinging
 from wcd import wire
 from wcd.client import Client, connect
@@ -156,7 +156,7 @@ def publish_many(d: Daemon, n: int, model: str = "p") -> None:
     for start in range(0, n, 32):
         batch = range(start, min(start + 32, n))
         a.send(b"".join(a.frame({"op": "reserve", "key": {"model": model, "transform": f"t{i}"},
-                                 "tensors": [["w", "U8", [8]]], "retention": "pinned"}) for i in batch))
+                                 "columns": columns([["w", "U8", [8]]]), "retention": "pinned"}) for i in batch))
         leases = []
         for _ in batch:
             reply = a.recv()
@@ -212,6 +212,7 @@ def test_a_frame_left_unfinished_after_a_full_batch_does_not_spin_the_loop(make_
 # -- item 4: many leases, many disconnects ------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_disconnects_do_not_scan_every_lease(make_daemon, checkpoint):
     d = make_daemon(model_config(checkpoint[0]))
     holder = Raw(d.socket)
@@ -240,6 +241,7 @@ def test_disconnects_do_not_scan_every_lease(make_daemon, checkpoint):
 # -- item 7: buffered bytes, in and out ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_partial_frames_are_bounded_globally(make_daemon, checkpoint):
     d = make_daemon('max_buffer_bytes = "48MiB"\n' + model_config(checkpoint[0]))
     before = rss(d)
@@ -317,7 +319,8 @@ def test_max_entries(make_daemon):
     d = make_daemon("max_entries = 5\n")
     publish_many(d, 5)
     a = Raw(d.socket)
-    reply = a.call({"op": "reserve", "key": {"model": "p", "transform": "one-more"}, "tensors": [["w", "U8", [8]]]})
+    reply = a.call({"op": "reserve", "key": {"model": "p", "transform": "one-more"},
+                    "columns": columns([["w", "U8", [8]]])})
     assert reply["error"]["code"] == "busy" and "max_entries" in reply["error"]["message"]
 
 
@@ -420,6 +423,7 @@ def shared_socket() -> Iterator[Path]:
     where.rmdir()
 
 
+@pytest.mark.slow
 def test_one_uid_cannot_take_every_connection(make_daemon, shared_socket):
     d = make_daemon(f"allowed_uids = [{NOBODY}]\nmax_connections = 12\nmax_connections_per_uid = 6\n",
                     socket=shared_socket)
@@ -507,8 +511,8 @@ def test_a_reserve_too_big_for_uint64_gets_a_reply(make_daemon):
     a = Raw(d.socket)
     # Each dimension within bounds, their product (2^70 bytes) past what msgpack can carry.
     reply = a.call({"op": "reserve", "key": {"model": "huge", "transform": "test/huge"},
-                    "tensors": [["w", "U8", [1 << 40, 1 << 30]]]})
-    assert reply["error"]["code"] == "out_of_memory" and "does not fit" in reply["error"]["message"], reply
+                    "columns": columns([["w", "U8", [1 << 40, 1 << 30]]])})
+    assert reply["error"]["code"] == "bad_request" and "more than an arena can hold" in reply["error"]["message"], reply
     assert a.call({"op": "ping"})["ok"]
 
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from tests.integration.conftest import Daemon, sparse_checkpoint
-from tests.integration.peers import Raw
+from tests.integration.peers import Raw, columns
 from tests.integration.pings import assert_fast, pinging
 from wcd.client import Client
 from wcd.errors import DeviceUnavailable, LoadFailed, NotFound, PermissionDenied
@@ -109,6 +109,7 @@ KEY = WeightCacheKey(model="pub", transform="test")
 # -- 11: cross-user poisoning -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @needs_root
 def test_cross_user_poisoning_is_refused(make_daemon, checkpoint, shared_dir):
     """The attack: an allowed uid evicts a pinned configured model, then publishes raw bytes under
@@ -191,13 +192,13 @@ def test_admin_groups_make_admins(make_daemon, checkpoint):
 def test_bind_does_not_follow_a_symlink_swapped_in(tmp_path, monkeypatch):
     """The attack: between bind and chmod/chown, a peer who can write to the socket's directory
     replaces the socket with a symlink to a file of its choice, which chmod/chown then follow."""
-    from wcd import server
+    from wcd import socketpath
 
     victim = tmp_path / "victim"
     victim.write_text("root's")
     victim.chmod(0o600)
     path = tmp_path / "wcd.sock"
-    real_socket = server.socket.socket
+    real_socket = socketpath.socket.socket
 
     class Swapping(real_socket):  # type: ignore[misc, valid-type]
         def bind(self, address: Any) -> None:
@@ -206,8 +207,8 @@ def test_bind_does_not_follow_a_symlink_swapped_in(tmp_path, monkeypatch):
             planted.symlink_to(victim)
             os.replace(planted, path)  # the swap, at the worst moment
 
-    monkeypatch.setattr(server.socket, "socket", Swapping)
-    sock = server._bind(path, [])
+    monkeypatch.setattr(socketpath.socket, "socket", Swapping)
+    claim = socketpath.claim(path, [])
     monkeypatch.undo()
     try:
         assert stat.S_IMODE(victim.stat().st_mode) == 0o600
@@ -217,7 +218,7 @@ def test_bind_does_not_follow_a_symlink_swapped_in(tmp_path, monkeypatch):
         probe.close()
         assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging left
     finally:
-        sock.close()
+        claim.release()
 
 
 @needs_root
@@ -253,13 +254,14 @@ def test_client_checks_who_serves_the_socket(make_daemon, shared_dir):
 # -- 5: cancelled allocations ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_disconnect_during_allocation_reclaims_the_arena(make_daemon):
     """The attack: reserve a big arena and disconnect while posix_fallocate runs, twice."""
     d = make_daemon('budget = { cpu = "6GiB" }\n')
     with pinging(d) as pings:
         for _ in range(2):
             peer = Raw(d.socket)
-            peer.request("reserve", key=KEY.model_dump(), tensors=[["w", "U8", [GiB]]])
+            peer.request("reserve", key=KEY.model_dump(), columns=columns([["w", "U8", [GiB]]]))
             time.sleep(0.1)  # inside posix_fallocate (~0.5 s per GiB here)
             peer.close()
         wait_until(lambda: memfds(d) == 0)
@@ -275,6 +277,7 @@ def test_disconnect_during_allocation_reclaims_the_arena(make_daemon):
 # -- 6: a fill lease's TTL starts when its holder learns its id --------------------------------
 
 
+@pytest.mark.slow
 def test_fill_lease_outliving_its_ttl_while_allocating_still_gets_its_reply(make_daemon):
     """The attack (and plain bad luck): an allocation longer than the lease TTL."""
     # 3 GiB: posix_fallocate takes 0.1-0.5 s per GiB on the VMs this runs on, so well past the TTL.
@@ -293,6 +296,7 @@ def test_fill_lease_outliving_its_ttl_while_allocating_still_gets_its_reply(make
 # -- 9: long work does not starve short work ---------------------------------------------------
 
 
+@pytest.mark.slow
 def test_pipelined_verifies_do_not_starve_short_work(make_daemon):
     """The attack: 4 connections x 64 pipelined verifies of a big entry."""
     d = make_daemon()
@@ -322,6 +326,7 @@ def test_pipelined_verifies_do_not_starve_short_work(make_daemon):
 # -- 16: no arena is closed under a worker -----------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["evict", "stop"])
 def test_commit_digest_survives_evict_and_stop(make_daemon, how):
     """The attack: evict (or stop the daemon) while the digest taken after a commit still runs."""
@@ -344,7 +349,7 @@ def test_commit_digest_survives_evict_and_stop(make_daemon, how):
 def test_double_commit_gets_a_clear_error(make_daemon):
     d = make_daemon()
     peer = Raw(d.socket)
-    peer.request("reserve", key=KEY.model_dump(), tensors=[["w", "F32", [1024]]])
+    peer.request("reserve", key=KEY.model_dump(), columns=columns([["w", "F32", [1024]]]))
     lease = peer.recv()["lease"]
     first, second = peer.request("commit", lease=lease), peer.request("commit", lease=lease)  # pipelined
     replies = {r["id"]: r for r in (peer.recv(), peer.recv())}
@@ -375,6 +380,7 @@ def test_overlapping_data_offsets_are_refused(make_daemon, tmp_path):
             c.acquire("x", wait=False)
 
 
+@pytest.mark.slow
 def test_a_huge_reserve_does_not_stall_the_loop(make_daemon):
     """Item 3: a 100,000-tensor reserve (columns, as a v2 client sends them) is decoded in bulk and laid
     out in a worker thread. (The same as v1 rows, validated by pydantic on the loop, stalled pings
@@ -415,6 +421,7 @@ sys.meta_path.insert(0, Imports())
 '''
 
 
+@pytest.mark.slow
 def test_the_loop_starts_no_thread_and_imports_nothing_once_the_workers_are_up(make_daemon, checkpoint, tmp_path,
                                                                                monkeypatch):
     """`Thread.start` waits until the new thread has run: on the loop, behind two busy digest

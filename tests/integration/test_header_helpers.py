@@ -89,6 +89,7 @@ def helper_pids(pool: HeaderHelpers) -> list[int]:
     return sorted(h.proc.pid for h in pool._all)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(shards=st.lists(any_headers, min_size=1, max_size=4))
 def test_helpers_give_what_the_daemon_parses_valid_or_not(helpers: HeaderHelpers, every_header_to_helpers: None,
@@ -99,6 +100,7 @@ def test_helpers_give_what_the_daemon_parses_valid_or_not(helpers: HeaderHelpers
         assert outcome(partial(laid_out, Path(tmp), helpers)) == outcome(partial(laid_out, Path(tmp)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bad", ["", "x\x01y", "z" * 1025, "tab\tname"])
 def test_a_bad_name_in_a_piece_is_refused_by_the_layout_as_without_helpers(helpers: HeaderHelpers, bad: str,
                                                                           tmp_path: Path) -> None:
@@ -119,6 +121,7 @@ def test_a_bad_name_in_a_piece_is_refused_by_the_layout_as_without_helpers(helpe
         assert [h.names_checked for h in opened_ckpt.headers] == [True, False]  # that one parsed here
 
 
+@pytest.mark.slow
 def test_names_the_helpers_checked_are_not_checked_again_by_the_layout(helpers: HeaderHelpers, tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     from wcd import checkpoint, manifest
@@ -166,6 +169,7 @@ def test_a_name_repeated_in_two_pieces_reads_as_one_parse_reads_it(helpers: Head
     assert outcome(partial(opened, tmp_path / "one", helpers)) == refused
 
 
+@pytest.mark.slow
 def test_large_headers_go_to_the_helpers_and_come_back_equal(helpers: HeaderHelpers, tmp_path: Path) -> None:
     ckpt = experts(tmp_path / "m", 5, 12_000)
     raw_len = int.from_bytes((ckpt / "model-00000.safetensors").read_bytes()[:8], "little")
@@ -186,6 +190,7 @@ def test_large_headers_go_to_the_helpers_and_come_back_equal(helpers: HeaderHelp
     assert opened(experts(tmp_path / "r", 2, 12_000, shuffled=True), helpers) == opened(tmp_path / "r")
 
 
+@pytest.mark.slow
 def test_a_helper_killed_mid_parse_is_replaced_and_its_header_parsed_here(tmp_path: Path) -> None:
     ckpt = experts(tmp_path / "m", 4, 12_000)
     want = opened(ckpt)
@@ -219,6 +224,7 @@ def test_a_helper_killed_mid_parse_is_replaced_and_its_header_parsed_here(tmp_pa
         pool.close()
 
 
+@pytest.mark.slow
 def test_loads_at_once_share_the_helpers(helpers: HeaderHelpers, tmp_path: Path) -> None:
     ckpt = experts(tmp_path / "m", 4, 12_000)
     want = opened(ckpt)
@@ -265,6 +271,7 @@ def test_closing_ends_the_helpers(tmp_path: Path) -> None:
     assert not pool._all
 
 
+@pytest.mark.slow
 def test_a_parse_before_the_helpers_are_up_starts_them_and_takes_each_when_ready(tmp_path: Path) -> None:
     ckpt = experts(tmp_path / "m", 8, 12_000)
     want = opened(ckpt)
@@ -283,6 +290,7 @@ def test_a_parse_before_the_helpers_are_up_starts_them_and_takes_each_when_ready
         pool.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("python", ["/nonexistent/python3", "/bin/false"])
 def test_helpers_that_cannot_start_say_so_in_one_line_and_the_daemon_parses(
         python: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
@@ -322,6 +330,7 @@ def daemon_children(pid: int) -> list[int]:
     return found
 
 
+@pytest.mark.slow
 def test_daemon_parses_a_large_checkpoint_with_its_helpers_and_they_end_with_it(make_daemon: Any,
                                                                                 tmp_path: Path) -> None:
     ckpt = experts(tmp_path / "m", 4, 12_000)
@@ -349,6 +358,7 @@ def test_daemon_parses_a_large_checkpoint_with_its_helpers_and_they_end_with_it(
     assert not alive, f"helpers outlived a SIGKILLed daemon: {alive}"
 
 
+@pytest.mark.slow
 def test_a_bad_header_is_refused_with_the_same_line_with_helpers(make_daemon: Any, tmp_path: Path) -> None:
     ckpt = experts(tmp_path / "m", 2, 12_000)
     shard = ckpt / "model-00001.safetensors"
@@ -368,6 +378,7 @@ def test_a_bad_header_is_refused_with_the_same_line_with_helpers(make_daemon: An
     assert first == second and first[0] == "LoadFailed" and "layers.1.experts.7.w" in first[1], (first, second)
 
 
+@pytest.mark.slow
 def test_a_stopped_helper_does_not_hold_a_load(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """SIGSTOPped (or swapped out, or wedged): past its deadline its header is parsed here, and it goes."""
     monkeypatch.setattr(header_helpers, "STALL_S", 0.5)
@@ -456,6 +467,7 @@ GARBAGE: dict[str, Callable[[bytes, int], bytes]] = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("garbage", list(GARBAGE))
 def test_a_helper_that_answers_garbage_is_dropped_and_its_header_parsed_here(garbage: str, tmp_path: Path) -> None:
     ckpt = experts(tmp_path / "m", 1, 12_000)
@@ -651,6 +663,7 @@ def test_a_helper_of_other_code_than_the_daemons_refuses_to_serve(monkeypatch: p
     assert "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_a_second_clients_ping_stays_fast_while_loads_parse_with_helpers(make_daemon: Any, tmp_path: Path) -> None:
     """What the daemon's loop pays for the helpers: unpacking their answers (a few ms per 25,000
     tensors) in a worker thread. Two loads of 100,000 tensors, one after the other, beside pings

@@ -85,6 +85,7 @@ def test_a_shard_linked_to_a_root_only_file_is_not_served(make_daemon, tmp_path:
     assert worst[0] < 0.05
 
 
+@pytest.mark.slow
 def test_a_shard_swapped_for_a_link_after_load_returned_is_not_read(make_daemon, tmp_path: Path) -> None:
     d = tmp_path / "model"
     d.mkdir()
@@ -106,6 +107,7 @@ def test_a_shard_swapped_for_a_link_after_load_returned_is_not_read(make_daemon,
     assert worst[0] < 0.05
 
 
+@pytest.mark.slow
 def test_a_checkpoint_overwritten_during_a_load_fails_it(make_daemon, tmp_path: Path) -> None:
     d = tmp_path / "model"
     d.mkdir()

@@ -65,6 +65,7 @@ def test_prometheus_scrapes_metrics_over_http(make_daemon, checkpoint):
     assert d.stop() == 0
 
 
+@pytest.mark.slow
 def test_a_slow_client_holds_neither_the_endpoint_nor_the_daemon(make_daemon):
     d = make_daemon('metrics_listen = "127.0.0.1:0"\n')
     url = metrics_url(d)

@@ -38,6 +38,7 @@ def blocks(language: str) -> list[tuple[int, str]]:
 PYTHON = blocks("python")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("line", "code"), PYTHON, ids=[f"README.md:{n}" for n, _ in PYTHON])
 def test_python_block_runs(make_daemon, tmp_path: Path, line: int, code: str) -> None:
     missing = [m for m in re.findall(r"^\s*(?:from|import) (\w+)", code, re.M) if importlib.util.find_spec(m) is None]
@@ -75,6 +76,7 @@ def test_two_commands_for_a_new_user_and_ci_runs_the_test_one() -> None:
     assert "make test" in ci
 
 
+@pytest.mark.slow
 def test_the_wheel_install_line_matches_what_a_build_makes(tmp_path: Path) -> None:
     """The wheel the README installs is the one `pip wheel .` builds, and it carries wcd and its commands."""
     out = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
@@ -88,3 +90,36 @@ def test_the_wheel_install_line_matches_what_a_build_makes(tmp_path: Path) -> No
     assert (target / "wcd" / "__init__.py").exists() and (target / "bin" / "wcdctl").exists()
     [info] = target.glob("*.dist-info")
     assert f"Name: {DISTRIBUTION}\n" in (info / "METADATA").read_text()
+
+
+def _log_pattern(fmt: str) -> re.Pattern[str]:
+    """A %-format string as a regex matching what it prints (%s: anything, %d: digits, %.Nf: N decimals)."""
+    parts = re.split(r"(%s|%d|%\.\df)", fmt)
+    conv = {"%s": ".+?", "%d": r"\d+"}
+    return re.compile("".join(conv.get(p) or (rf"\d+\.\d{{{p[2]}}}" if p.startswith("%.") else re.escape(p))
+                              for p in parts) + "$")
+
+
+def test_the_vllm_log_lines_are_what_the_loader_prints() -> None:
+    """Each `wcd: attached ...` / `wcd: loaded weights ...` line the README shows matches the format
+    the loader logs with (its %-format, with the optional parts as the code adds them)."""
+    source = (ROOT / "wcd/integrations/vllm_loader.py").read_text()
+    attached = re.search(r'log\.info\(("wcd: attached(?:[^"]*"\s*")*[^"]*")\s*,\s*lease\.entry', source)
+    loaded = re.search(r'log\.info\(("wcd: loaded weights from %s in %\.3f s%s%s")', source)
+    assert attached and loaded, "the loader's log calls moved: update this test"
+    attached_fmt = "".join(re.findall(r'"([^"]*)"', attached.group(1)))
+    shown = [line for line in README.splitlines() if line.startswith(("wcd: attached", "wcd: loaded weights"))]
+    assert len(shown) == 3
+    assert _log_pattern(attached_fmt).match(shown[0]), (attached_fmt, shown[0])
+    # The two %s after the time: " (reasons)" and "; published processed weights as entry NAME".
+    loaded_fmt = "wcd: loaded weights from %s in %.3f s (%s); published processed weights as entry %s"
+    for line in shown[1:]:
+        assert _log_pattern(loaded_fmt).match(line), line
+    assert 'f"; published processed weights as entry {published}"' in source
+
+
+def test_every_vllm_loader_option_is_documented() -> None:
+    from wcd.integrations.vllm import _OPTIONS
+
+    documented = set(re.findall(r"^\| `(\w+)` \|", README, re.M))
+    assert _OPTIONS <= documented, f"undocumented options: {sorted(_OPTIONS - documented)}"

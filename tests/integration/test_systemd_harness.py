@@ -56,7 +56,10 @@ class FakeSystemd:
         (the Debian launcher runs `python3 -SsP`)."""
         # After a restart systemd passes the socket's fds, then the fd store's.
         passed = [(self.listener.fileno(), self.socket_name)] + [(fd, n) for n, fds in self.store.items() for fd in fds]
-        env = {**os.environ, **(env or {}), "LISTEN_FDS": str(len(passed)),
+        env = dict(env or {})
+        if "PYTHONPATH" in env and os.environ.get("PYTHONPATH"):  # a test's site dir, then the caller's path
+            env["PYTHONPATH"] += os.pathsep + os.environ["PYTHONPATH"]
+        env = {**os.environ, **env, "LISTEN_FDS": str(len(passed)),
                "LISTEN_FDNAMES": ":".join(n for _, n in passed), "NOTIFY_SOCKET": str(self.notify_path)}
         if watchdog_usec:
             env["WATCHDOG_USEC"] = str(watchdog_usec)
@@ -255,7 +258,7 @@ def test_restart_keeps_weights_through_the_fd_store(fake_systemd, tmp_path):
     with Client(fake_systemd.sock_path) as before:
         lease = before.acquire("llama")
         fake_systemd.wait_for("FDSTORE", "1")
-        fake_systemd.wait_for("STATUS", "serving 1 entries, 1 leases, 132.0 KiB")
+        fake_systemd.wait_for("STATUS", "serving 1 entry, 1 lease, 132.0 KiB")
         shutil.move(ckpt, tmp_path / "moved-away")  # the restart must not need the checkpoint
         assert fake_systemd.stop() == 0
         assert any(m.get("STOPPING") == "1" for m in fake_systemd.messages)
@@ -278,6 +281,7 @@ def test_restart_keeps_weights_through_the_fd_store(fake_systemd, tmp_path):
     assert fake_systemd.stop() == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("socket_name", ["wcd@x.socket", "unknown"])
 def test_a_listener_under_any_name_is_the_listener_after_a_restart(tmp_path, socket_name):
     """A socket unit without FileDescriptorName= passes its fd under the unit's name: the daemon
@@ -306,6 +310,7 @@ def test_a_listener_under_any_name_is_the_listener_after_a_restart(tmp_path, soc
         harness.close()
 
 
+@pytest.mark.slow
 def test_stale_and_corrupt_parked_entries_are_dropped(fake_systemd, tmp_path):
     ckpt = tmp_path / "m"
     write_model(ckpt, seed=1)
@@ -399,6 +404,7 @@ def publish_parked_and_stop(fake_systemd, cfg: Path) -> str:
     return name
 
 
+@pytest.mark.slow
 def test_verify_of_a_readopted_published_entry(fake_systemd, tmp_path):
     """Issue 11, item 15: the digest taken at commit is gone after a restart; verify compares
     against one taken at re-adoption instead of failing with `internal`."""
@@ -440,6 +446,7 @@ def test_an_acquire_before_the_check_after_ready_waits_for_it(fake_systemd, tmp_
     assert fake_systemd.stop() == 0
 
 
+@pytest.mark.slow
 def test_a_stale_checkpoint_is_never_served_to_a_client_waiting_for_the_check(fake_systemd, tmp_path):
     """The checkpoint changed while the daemon was down: the check after READY drops the kept copy
     and loads the model again from disk; a client already waiting gets the new values, not an error."""
@@ -495,6 +502,7 @@ def test_a_record_that_fails_the_check_after_ready_is_dropped(fake_systemd, tmp_
     assert fake_systemd.stop() == 0
 
 
+@pytest.mark.slow
 def test_a_published_entry_that_fails_the_check_is_not_served(fake_systemd, tmp_path):
     """No checkpoint to fall back on: a client waiting for it is told it went away."""
     cfg = config(tmp_path, {})
@@ -526,6 +534,7 @@ def _this_run(harness: FakeSystemd, since: int) -> str:
     return harness.log.read_text()[since:]
 
 
+@pytest.mark.slow
 def test_a_model_changed_by_sighup_while_its_readopted_entry_is_checked_loads_once_the_check_ends(
         fake_systemd, tmp_path):
     """The reload cannot drop the kept entry while its check runs: the entry goes when the check
@@ -643,6 +652,7 @@ def stops_after_the_bounded_wait(harness: FakeSystemd, says: str) -> None:
     assert log.count(says) == 1 and "Traceback" not in log
 
 
+@pytest.mark.slow
 def test_a_driver_hung_at_shutdown_holds_the_exit_for_the_bounded_wait_only(fake_systemd, tmp_path):
     """systemd stops the daemon while releasing an arena hangs: it says so in one line and exits
     (status 0, the arena parked for the next start) after RELEASE_WAIT_S, not at the stop timeout."""
@@ -659,6 +669,7 @@ def test_a_driver_hung_at_shutdown_holds_the_exit_for_the_bounded_wait_only(fake
     stops_after_the_bounded_wait(fake_systemd, "has not let go of 1 arena")
 
 
+@pytest.mark.slow
 def test_a_load_stuck_in_the_driver_at_shutdown_holds_the_exit_for_the_bounded_wait_only(fake_systemd, tmp_path):
     """A fill's worker that never comes back (here: held at a gate that never opens, as in a hung
     driver call) would be joined at the interpreter's exit until systemd's stop timeout: the daemon

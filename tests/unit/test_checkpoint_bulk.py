@@ -205,6 +205,7 @@ def write(file: Path, doc: dict[str, Any], data_len: int) -> Path:
     return file
 
 
+@pytest.mark.slow
 @settings(max_examples=800, deadline=None)
 @given(header=any_headers)
 def test_parser_accepts_exactly_what_the_per_tensor_parser_accepts(header: tuple[dict[str, Any], int]) -> None:
@@ -234,6 +235,7 @@ def test_each_damage_alone_is_refused_as_the_per_tensor_parser_refuses_it(tmp_pa
     assert refused > 100  # the damages do damage
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(shards=st.lists(any_headers, min_size=1, max_size=3), chunk=st.integers(1, 600), data=st.data())
 def test_layout_and_plan_match_the_per_tensor_ones(shards: list[tuple[dict[str, Any], int]], chunk: int,
@@ -309,6 +311,7 @@ def test_json_edges_are_read_as_json_loads_reads_them(tmp_path: Path, raw: bytes
                                                  st.sampled_from([b"", b"\\ud800", b"\xed\xa0\x80", b"\xff", b",",
                                                                   b"}", b'"', b"NaN", b"-", b"0", b"\x00", b" "])),
                                        max_size=3))
+@pytest.mark.slow
 def test_damaged_json_is_read_as_json_loads_reads_it(header: tuple[dict[str, Any], int],
                                                      cuts: list[tuple[int, int, bytes]]) -> None:
     """A header's bytes cut and spliced: whatever JSON comes of it, or none, `json.loads`'s reading."""

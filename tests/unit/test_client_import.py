@@ -5,11 +5,14 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 
 def test_client_import_is_lean() -> None:
     _check_lean("from wcd.client import Client, connect")
 
 
+@pytest.mark.slow
 def test_what_an_engine_loads_to_attach_is_lean() -> None:
     """With torch, a client preloads the views and the CUDA mapping code at connect: still no pydantic."""
     _check_lean("import torch, wcd.client, wcd.views, wcd.arenas.cuda_map", allowed=("torch", "numpy"))

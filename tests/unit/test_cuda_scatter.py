@@ -94,6 +94,7 @@ def mixed(seed: int) -> dict[str, torch.Tensor]:
     return tensors
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["scatter", "gather", "chosen"])
 @pytest.mark.parametrize("lane_bytes", [4 << 20, 40_000, 16_000, 777])
 def test_mixed_runs_land_exactly_through_either_copy(cuda: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -146,6 +147,7 @@ def lane_scatter(cuda: Any, lane_bytes: int, data: bytes, runs: tuple[tuple[int,
     ((0, 1000, 1024, 2), (2048, 1, 256, 1), (2304, 300, 512, 4), (4352, 512, 512, 3), (5888, 1000, 1024, 1)),
     ((0, 256, 256, 1), (256, 7, 256, 9), (2560, 2000, 2048, 2)),
 ])
+@pytest.mark.slow
 def test_scatter_puts_every_piece_in_place_and_nothing_between(cuda: Any, tmp_path: Path, lane_bytes: int,
                                                               runs: tuple[tuple[int, int, int, int], ...]) -> None:
     data = random.Random(lane_bytes).randbytes(20_000)

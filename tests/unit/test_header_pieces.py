@@ -36,6 +36,7 @@ def header(entries: list[tuple[str, Any]], separators: tuple[str, str], pad: int
 @settings(max_examples=400, deadline=None)
 @given(entries=st.lists(st.tuples(NAMES, ENTRY | METADATA), min_size=1, max_size=12),
        separators=st.sampled_from([(",", ":"), (", ", ": ")]), pad=st.integers(0, 7), piece=st.integers(1, 40))
+@pytest.mark.slow
 def test_pieces_read_what_one_parse_reads(entries: list[tuple[str, Any]], separators: tuple[str, str], pad: int,
                                           piece: int) -> None:
     raw = header(entries, separators, pad)
@@ -59,6 +60,7 @@ def test_a_cut_inside_a_name_or_the_metadata_falls_back_to_one_parse(monkeypatch
     assert checkpoint._decode_in_pieces(raw) == {f"t{i}": {"dtype": "F32"} for i in range(5)}
 
 
+@pytest.mark.slow
 def test_a_big_header_does_not_hold_the_gil_for_its_whole_parse(tmp_path: Path) -> None:
     """200,000 entries (about 15 MB) in one shard, opened as a load opens it (`parse_header`, the
     collector paused): parsed whole, one call held the GIL for 150-400 ms of it on the VM."""
@@ -100,6 +102,7 @@ def columns_of(raw: bytes, data_size: int) -> Any:
 @settings(max_examples=600, deadline=None)
 @given(header_doc=any_headers, repeats=st.lists(st.integers(0, 7), max_size=2),
        separators=st.sampled_from([(",", ":"), (", ", ": ")]), every=st.integers(1, 200))
+@pytest.mark.slow
 def test_pieces_parsed_apart_and_merged_are_the_header_parsed_whole(header_doc: tuple[dict[str, Any], int],
                                                                       repeats: list[int],
                                                                       separators: tuple[str, str],

@@ -14,7 +14,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wcd.errors import BadRequest
-from wcd.manifest import ALIGN, DTYPE_SIZES, DTYPES, MAX_NAME_LEN, MAX_NDIM, TENSOR_COLUMNS, Manifest, TensorSpec
+from wcd.manifest import (
+    ALIGN,
+    DTYPE_CODES,
+    DTYPE_SIZES,
+    DTYPES,
+    MAX_DIM,
+    MAX_NAME_LEN,
+    MAX_NDIM,
+    TENSOR_COLUMNS,
+    Manifest,
+    TensorSpec,
+    _check_name,
+    tensor_nbytes,
+)
 
 SETTINGS = settings(max_examples=60, deadline=None)
 
@@ -39,7 +52,8 @@ def element_size(dtype: str) -> int:
 
 
 def wire(*rows: list[Any], size: int = 4096) -> dict[str, Any]:
-    return {"size": size, "tensors": [list(r) for r in rows]}
+    """The wire manifest with these [name, dtype, shape, offset] rows, one shape per row."""
+    return columns(list(rows), size)
 
 
 def refused(obj: Any) -> str:
@@ -146,14 +160,9 @@ def test_name_length_limit_is_inclusive() -> None:
 # -- wire form ----------------------------------------------------------------------------------
 
 
-def test_to_wire_v1_rows() -> None:
-    m = Manifest.build([("w", "BF16", (2, 3)), ("b", "F32", ())])
-    assert m.to_wire(1) == {"size": 512, "tensors": [["w", "BF16", [2, 3], 0], ["b", "F32", [], 256]]}
-
-
-def test_to_wire_v2_columns() -> None:
+def test_to_wire_columns() -> None:
     m = Manifest.build([("w", "BF16", (2, 3)), ("b", "F32", ()), ("v", "BF16", (2, 3))])
-    w = m.to_wire(2)
+    w = m.to_wire()
     assert w["size"] == m.size and w["names"].split("\0") == ["w", "b", "v"]
     assert [DTYPES[c] for c in w["dtypes"]] == ["BF16", "F32", "BF16"]
     assert list(w["shape_ndims"]) == [2, 0]  # two distinct shapes: (2, 3) and ()
@@ -173,8 +182,9 @@ def test_grouped_puts_interleaved_layers_into_runs() -> None:
     g = m.grouped()
     assert g == m  # the same tensors at the same offsets
     assert sorted(g.runs) == [1, 50, 50, 50, 50, 50] and sum(g.runs) == len(m)
-    assert Manifest.from_wire(m.wire(2)).runs == g.runs
-    assert m.wire(2) is m.wire(2) and m.wire_ready(2) and not m.wire_ready(1)
+    assert not m.wire_ready()
+    assert Manifest.from_wire(m.wire()).runs == g.runs
+    assert m.wire() is m.wire() and m.wire_ready()
 
 
 def reference_grouped(m: Manifest) -> Manifest:
@@ -269,16 +279,16 @@ def test_v2_refuses_runs_that_are_not_runs() -> None:
 
 
 @SETTINGS
-@given(layout=layouts, version=st.sampled_from([1, 2]))
-def test_wire_round_trip(layout: list[tuple[str, str, tuple[int, ...]]], version: int) -> None:
+@given(layout=layouts)
+def test_wire_round_trip(layout: list[tuple[str, str, tuple[int, ...]]]) -> None:
     m = Manifest.build(layout)
-    assert Manifest.from_wire(m.to_wire(version)) == m
-    over_msgpack = msgpack.unpackb(msgpack.packb(m.to_wire(version), use_bin_type=True), raw=False)
+    assert Manifest.from_wire(m.to_wire()) == m
+    over_msgpack = msgpack.unpackb(msgpack.packb(m.to_wire(), use_bin_type=True), raw=False)
     assert Manifest.from_wire(over_msgpack) == m
 
 
 def columns(rows: list[list[Any]], size: int = 4096) -> dict[str, Any]:
-    """A v2 manifest with the given [name, dtype, shape, offset] rows, one shape per row."""
+    """A wire manifest with the given [name, dtype, shape, offset] rows, one shape per row."""
     return {
         "size": size, "names": "\0".join(r[0] for r in rows), "dtypes": bytes(DTYPES.index(r[1]) for r in rows),
         "shape_ndims": bytes(len(r[2]) for r in rows),
@@ -345,15 +355,41 @@ _row = st.tuples(
 
 @SETTINGS
 @given(size=st.integers(0, 4096), rows=st.lists(_row, max_size=6))
-def test_v2_and_v1_agree_on_every_layout(size: int, rows: list[list[Any]]) -> None:
-    """The bulk validator of v2 columns accepts exactly what the per-row v1 validator accepts."""
-    def decide(obj: dict[str, Any]) -> Any:
+def test_the_bulk_validator_agrees_with_a_per_row_one(size: int, rows: list[list[Any]]) -> None:
+    """`from_wire`'s bulk checks of the columns accept exactly the layouts a check of one row at a
+    time accepts, and build the same manifest."""
+    try:
+        bulk = Manifest.from_wire(columns(rows, size))
+    except BadRequest:
+        bulk = None
+    assert bulk == per_row(size, rows)
+
+
+def per_row(size: int, rows: list[list[Any]]) -> Manifest | None:
+    """The reference: each row checked on its own (name, dtype, shape, alignment, bounds), then
+    overlaps; None where it is refused."""
+    if size <= 0 or size > MAX_DIM:
+        return None
+    names, seen, shape_index, offsets, sizes = [], set(), {}, array("Q"), []
+    codes, ids = bytearray(), array("I")
+    for name, dtype, shape, offset in rows:
         try:
-            return Manifest.from_wire(obj)
+            _check_name(name, printable=False)
+            nbytes = tensor_nbytes(name, dtype, tuple(shape))
         except BadRequest:
             return None
-
-    assert decide(columns(rows, size)) == decide(wire(*rows, size=size))
+        if name in seen or offset % ALIGN or offset + nbytes > size:
+            return None
+        seen.add(name)
+        names.append(name)
+        codes.append(DTYPE_CODES[dtype])
+        ids.append(shape_index.setdefault(tuple(shape), len(shape_index)))
+        offsets.append(offset)
+        sizes.append(nbytes)
+    live = sorted((o, o + n) for o, n in zip(offsets, sizes) if n)
+    if any(end > start for (_, end), (start, _) in zip(live, live[1:])):
+        return None
+    return Manifest(tuple(names), bytes(codes), tuple(shape_index), ids, offsets, sizes, size)
 
 
 @SETTINGS
@@ -391,11 +427,6 @@ def test_from_wire_misaligned_offset() -> None:
     assert "offset 128 not aligned" in refused(wire(["a", "F32", [4], 128]))
 
 
-@pytest.mark.parametrize("offset", [-256, 1.0, "0", None, True])
-def test_from_wire_bad_offset_types(offset: Any) -> None:
-    assert "not aligned or outside the arena" in refused(wire(["a", "F32", [4], offset]))
-
-
 def test_from_wire_overlap() -> None:
     text = refused(wire(["a", "F32", [128], 0], ["b", "F32", [1], 256]))
     assert "'a' and 'b' overlap" in text
@@ -417,14 +448,6 @@ def test_from_wire_out_of_bounds() -> None:
 
 
 @pytest.mark.parametrize(
-    "row",
-    [["a", "F32", [1]], ["a", "F32", [1], 0, 0], "a", None, {"name": "a"}, ["a", "F32", 4, 0], ["a", "F32", "4", 0]],
-)
-def test_from_wire_bad_rows(row: Any) -> None:
-    assert "is not [name, dtype, shape, offset]" in refused({"size": 4096, "tensors": [row]})
-
-
-@pytest.mark.parametrize(
     "obj",
     [None, [], {"size": 256}, {"tensors": []}, {"size": "256", "tensors": []}, {"size": True, "tensors": []},
      {"size": 256.0, "tensors": []}, {"size": 256, "tensors": {}}],
@@ -435,20 +458,14 @@ def test_from_wire_bad_envelope(obj: Any) -> None:
 
 @pytest.mark.parametrize("size", [0, -256, (1 << 48) + 256])
 def test_from_wire_size_out_of_range(size: int) -> None:
-    assert "out of range" in refused({"size": size, "tensors": []})
+    assert "out of range" in refused(wire(["a", "F32", [1], 0], size=size))
 
 
 @pytest.mark.parametrize(
     ("row", "why"),
     [
-        ([5, "F32", [1], 0], "bad tensor name"),
         (["", "F32", [1], 0], "bad tensor name"),
-        (["a", "F4", [1], 0], "unsupported dtype"),
-        (["a", 4, [1], 0], "unsupported dtype"),
-        (["a", None, [1], 0], "unsupported dtype"),
-        (["a", "F32", [1.0], 0], "bad dimension"),
-        (["a", "F32", [True], 0], "bad dimension"),
-        (["a", "F32", [-1], 0], "bad dimension"),
+        (["a", "F32", [1 << 60], 0], "bad dimension"),
         (["a", "F32", [1] * (MAX_NDIM + 1), 0], "dimensions"),
     ],
 )
@@ -456,47 +473,13 @@ def test_from_wire_bad_field_types(row: list[Any], why: str) -> None:
     assert why in refused(wire(row))
 
 
-@pytest.mark.parametrize("dtype", [["F32"], {"F32": 1}], ids=["list", "map"])
-def test_from_wire_unhashable_dtype_is_a_bad_request(dtype: Any) -> None:
-    assert "unsupported dtype" in refused(wire(["a", dtype, [1], 0]))
-
-
 def test_from_wire_duplicate_names() -> None:
     assert "'a' appears twice" in refused(wire(["a", "F32", [1], 0], ["a", "F32", [1], 256]))
 
 
-_junk = st.none() | st.booleans() | st.integers(-1000, 5000) | st.floats() | st.text(max_size=6)
-_rows = st.lists(
-    st.one_of(
-        _junk,
-        st.tuples(
-            _junk | st.sampled_from(["a", "b"]),
-            _junk | st.sampled_from(sorted(DTYPE_SIZES)),
-            st.lists(_junk | st.integers(0, 40), max_size=3) | _junk,
-            st.integers(-256, 4096) | _junk,
-        ).map(list),
-    ),
-    max_size=5,
-)
-
-
-@SETTINGS
-@given(size=_junk | st.integers(1, 8192), rows=_rows)
-def test_from_wire_never_raises_anything_but_bad_request(size: Any, rows: list[Any]) -> None:
-    try:
-        m = Manifest.from_wire({"size": size, "tensors": rows})
-    except BadRequest:
-        return
-    live = sorted((t for t in m.tensors if t.nbytes), key=lambda t: t.offset)
-    for t in m.tensors:
-        assert t.offset % ALIGN == 0 and 0 <= t.offset and t.offset + t.nbytes <= m.size
-    for a, b in zip(live, live[1:]):
-        assert a.offset + a.nbytes <= b.offset
-
-
 def test_layout_columns_lays_out_what_build_does() -> None:
     rows = [("a", "BF16", (2, 3)), ("b", "F32", ()), ("c", "BF16", (2, 3)), ("d", "U8", (0,))]
-    wire = Manifest.build(rows).to_wire(2)
+    wire = Manifest.build(rows).to_wire()
     columns = {k: wire[k] for k in TENSOR_COLUMNS}
     assert Manifest.layout_columns(columns) == Manifest.build(rows)
     assert "appears twice" in refused_columns({**columns, "names": "a\0b\0a\0d"})

@@ -56,7 +56,7 @@ def test_only_ops_that_may_wait_run_as_tasks() -> None:
 def test_hello_comes_first_then_ops_answer() -> None:
     ctx, conn = make_context(), FakeConnection()
     ops.dispatch(ctx, conn, {"op": "ping", "id": 1})
-    ops.dispatch(ctx, conn, {"op": "hello", "id": 2, "versions": [1], "client": "t"})
+    ops.dispatch(ctx, conn, {"op": "hello", "id": 2, "versions": [2], "client": "t"})
     ops.dispatch(ctx, conn, {"op": "ping", "id": 3})
     first, hello, ping = (message for message, _ in conn.sent)
     assert first["error"]["code"] == "bad_request" and "hello" in first["error"]["message"]

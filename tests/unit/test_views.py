@@ -3,15 +3,20 @@ tensor would, whatever the layout (runs, interleaved shapes, gaps, scalars, zero
 
 from __future__ import annotations
 
+import fcntl
+import os
 import struct
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from wcd.arenas.base import SEALS, SIZE_SEALS
+from wcd.errors import WcdError
 from wcd.manifest import ALIGN, DTYPES, Manifest
-from wcd.views import TORCH_DTYPES, build_views
+from wcd.views import TORCH_DTYPES, build_views, map_arena
 
 SETTINGS = settings(max_examples=80, deadline=None)
 
@@ -43,7 +48,7 @@ def test_batched_views_equal_per_tensor_views(layout: list[tuple[str, tuple[int,
     m = Manifest.build((f"t{i}", d, s) for i, (d, s) in enumerate(layout))
     base = torch.arange(m.size, dtype=torch.int64).to(torch.uint8)
     check(base, m)
-    g = Manifest.from_wire(m.wire(2))  # in runs, as the daemon sends it
+    g = Manifest.from_wire(m.wire())  # in runs, as the daemon sends it
     check(base, g)
     check(base, g)  # the second build reuses the cached plan
 
@@ -70,7 +75,7 @@ def test_long_runs_come_from_few_calls() -> None:
     layout = []
     for i in range(100):
         layout += [(f"l{i}.a", "BF16", (16, 8)), (f"l{i}.b", "BF16", (8, 16)), (f"l{i}.c", "F32", (4,))]
-    m = Manifest.from_wire(Manifest.build(layout).wire(2))
+    m = Manifest.from_wire(Manifest.build(layout).wire())
     base = torch.zeros(m.size, dtype=torch.uint8)
     check(base, m)
     assert m.view_plan is not None and len(m.view_plan) == 3
@@ -84,3 +89,41 @@ def test_views_are_writable_through_to_the_base() -> None:
     views["c"].fill_(-7)
     assert torch.equal(base.view(torch.float32)[64:68], torch.full((4,), 1.5))
     assert reference_views(base, m)["c"].item() == -7 and views["a"].sum().item() == 0
+
+
+def _memfd(size: int, seals: int) -> int:
+    fd = os.memfd_create("test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+@pytest.mark.parametrize(("seals", "size", "writable", "refused"), [
+    (0, 4096, False, "F_SEAL_WRITE, F_SEAL_GROW, F_SEAL_SHRINK, F_SEAL_SEAL"),
+    (SIZE_SEALS, 4096, False, "F_SEAL_WRITE, F_SEAL_SEAL"),  # a fill arena handed out as a read lease
+    (0, 4096, True, "F_SEAL_GROW, F_SEAL_SHRINK"),  # a fill arena whose holder could shrink it under us
+    (SEALS, 8192, False, "holds 8192 bytes, the arena 4096"),
+    (SEALS, 4096, False, None),
+    (SIZE_SEALS, 4096, True, None),
+])
+def test_host_arenas_are_mapped_only_when_sealed_as_they_must_be(seals: int, size: int, writable: bool,
+                                                                 refused: str | None) -> None:
+    """A host arena whose memfd could shrink under the mapping (SIGBUS), or a read lease's whose
+    bytes could still change, is refused before it is mapped; the fd is closed either way."""
+    m = Manifest.build([("w", "U8", (16,))])
+    fd = _memfd(size, seals)
+    probe = os.dup(fd)
+    try:
+        if refused is None:
+            mapped = map_arena({"kind": "host", "size": 4096}, fd, m, writable)
+            assert mapped.tensors["w"].numel() == 16
+            mapped.close()
+        else:
+            with pytest.raises(WcdError, match="refusing to map the host arena") as e:
+                map_arena({"kind": "host", "size": 4096}, fd, m, writable)
+            assert refused in e.value.message
+        with pytest.raises(OSError):
+            os.fstat(fd)  # map_arena took ownership
+    finally:
+        os.close(probe)

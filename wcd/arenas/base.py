@@ -7,6 +7,7 @@ a writer that fills an arena from file ranges. Client side: `wcd.views` maps an 
 from __future__ import annotations
 
 import errno
+import fcntl
 import mmap
 import os
 import threading
@@ -110,6 +111,33 @@ def pread_into(fd: int, view: memoryview, offset: int) -> None:
         if n == 0:
             raise OSError(errno.EIO, "unexpected end of file")
         view, offset = view[n:], offset + n
+
+
+# A host arena's memfd seals: its size from creation on (writes stay allowed until the fill is
+# done), everything once filled. Here, not in `host`, because clients check them too.
+SIZE_SEALS = fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK
+SEALS = fcntl.F_SEAL_WRITE | SIZE_SEALS | fcntl.F_SEAL_SEAL
+
+
+def memfd_problem(fd: int, size: int, seals: int) -> str | None:
+    """What is wrong with a host arena's memfd that should be `size` bytes and carry `seals`
+    (F_SEAL_* bits), or None. Both sides check: the daemon at commit and re-adoption, a client
+    before it maps one (a memfd that can shrink under a mapping kills its readers with SIGBUS)."""
+    try:
+        actual, have = os.fstat(fd).st_size, fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as e:
+        return f"not a memfd ({e.strerror})"
+    if actual != size:
+        return f"the memfd holds {actual} bytes, the arena {size}"
+    missing = seals & ~have
+    if missing:
+        names = [n for n, bit in _SEAL_NAMES if missing & bit]
+        return f"the memfd is not sealed as it must be (missing {', '.join(names)})"
+    return None
+
+
+_SEAL_NAMES = (("F_SEAL_WRITE", fcntl.F_SEAL_WRITE), ("F_SEAL_GROW", fcntl.F_SEAL_GROW),
+               ("F_SEAL_SHRINK", fcntl.F_SEAL_SHRINK), ("F_SEAL_SEAL", fcntl.F_SEAL_SEAL))
 
 
 class FileReader(ArenaReader):

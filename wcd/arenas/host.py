@@ -1,7 +1,9 @@
-"""Host-memory arenas: one memfd per entry, sealed against writes once filled.
+"""Host-memory arenas: one memfd per entry, its size sealed from the start, its contents once filled.
 
-Readers map the sealed memfd MAP_PRIVATE, so a stray write in an engine lands in its own
-copy-on-write page and never in the shared copy. Sealing with F_SEAL_WRITE requires that no
+The size is sealed (F_SEAL_GROW | F_SEAL_SHRINK) before the fd can leave the daemon: a publisher
+holding it could otherwise grow it past what the budget counts, or shrink it under every reader's
+mapping (SIGBUS). Readers map the sealed memfd MAP_PRIVATE, so a stray write in an engine lands in
+its own copy-on-write page and never in the shared copy. Sealing with F_SEAL_WRITE requires that no
 writable shared mapping exists, which is why fill views must be dropped before commit.
 """
 
@@ -14,13 +16,22 @@ import os
 import threading
 import time
 
-from wcd.arenas.base import Arena, ArenaBackend, ArenaWriter, DeviceInfo, FileReader, scratch
+from wcd.arenas.base import (
+    SEALS,
+    SIZE_SEALS,
+    Arena,
+    ArenaBackend,
+    ArenaWriter,
+    DeviceInfo,
+    FileReader,
+    memfd_problem,
+    scratch,
+)
 from wcd.checkpoint import Run
 from wcd.errors import BadRequest, Busy, OutOfMemory
 from wcd.key import HOST_DEVICE
 from wcd.manifest import align_up
 
-SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
 PAGE = mmap.PAGESIZE
 STAGING_BYTES = 4 << 20  # per loader thread, for runs of small tensors
 
@@ -93,6 +104,7 @@ class HostArena(Arena):
             # fallocate commits the memory now, so running out of RAM fails here with a clear
             # error instead of SIGBUS in the loader or an engine later.
             os.posix_fallocate(self._fd, 0, size)
+            fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, SIZE_SEALS)
         except OSError as e:
             os.close(self._fd)
             if e.errno in (errno.ENOSPC, errno.ENOMEM):
@@ -106,19 +118,27 @@ class HostArena(Arena):
         return HostWriter(self._fd)
 
     def seal(self) -> None:
-        """Seal against writes (in a worker thread: it scans the pages). EBUSY means a writable
-        mapping, or pages the kernel still holds for a moment after the publisher unmapped them
-        (per-CPU LRU batches: seen as a rare EBUSY right after a multi-threaded copy), so it is
-        tried a few times before the publisher is told to drop its views."""
+        """Seal against writes (in a worker thread: it scans the pages), then check that the memfd
+        is still what the daemon made: a holder's own F_SEAL_SEAL, or a size or seals not ours,
+        is a `BadRequest` (the commit drops the entry). EBUSY means a writable mapping, or pages
+        the kernel still holds for a moment after the publisher unmapped them (per-CPU LRU
+        batches: seen as a rare EBUSY right after a multi-threaded copy), so it is tried a few
+        times before the publisher is told to drop its views."""
         for attempt in range(4):
             try:
                 fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, SEALS)
-                return
+                break
             except OSError as e:
+                if e.errno == errno.EPERM:  # sealed by someone else: the check below says how
+                    break
                 if e.errno != errno.EBUSY:
                     raise
             time.sleep(0.05 * (attempt + 1))
-        raise Busy("the arena is still mapped writable: drop every fill view before commit")
+        else:
+            raise Busy("the arena is still mapped writable: drop every fill view before commit")
+        problem = memfd_problem(self._fd, self.size, SEALS)
+        if problem:
+            raise BadRequest(f"the arena's memfd was changed by its holder: {problem}; nothing was published")
 
     def _read(self, offset: int, nbytes: int) -> bytes:
         return os.pread(self._fd, nbytes, offset)
@@ -146,15 +166,9 @@ class HostBackend(ArenaBackend):
         return HostArena(size, label)
 
     def adopt(self, fd: int, device: str, size: int, label: str) -> HostArena:
-        try:
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-            actual = os.fstat(fd).st_size
-        except OSError as e:
-            raise BadRequest(f"{label}: not a memfd ({e.strerror})") from None
-        if seals & SEALS != SEALS:
-            raise BadRequest(f"{label}: memfd is not sealed against writes")
-        if actual != size:
-            raise BadRequest(f"{label}: memfd holds {actual} bytes, its record says {size}")
+        problem = memfd_problem(fd, size, SEALS)
+        if problem:
+            raise BadRequest(f"{label}: {problem}")
         return HostArena(size, label, fd)
 
     def info(self, device: str) -> DeviceInfo:

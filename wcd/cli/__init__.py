@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 import sys
@@ -35,3 +36,12 @@ def quiet_on_closed_pipe(main: Callable[..., int]) -> Callable[..., int]:
             return 0
 
     return wrapper
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line with where to look (`wcdctl: unknown
+    command 'x' ...`), exit status 2, instead of the usage block: the same shape as every other error."""
+
+    def error(self, message: str) -> NoReturn:
+        root = self.prog.split()[0]
+        die(root, f"{message} (see {self.prog} --help)", 2)

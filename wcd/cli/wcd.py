@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from wcd import __version__
-from wcd.cli import die, quiet_on_closed_pipe
+from wcd.cli import Parser, die, quiet_on_closed_pipe
 from wcd.errors import WcdError
 
 USAGE_ERROR = 2
@@ -18,7 +18,7 @@ USAGE_ERROR = 2
 
 @quiet_on_closed_pipe
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="wcd", description="GPU weight cache daemon")
+    parser = Parser(prog="wcd", description="GPU weight cache daemon")
     parser.add_argument("--version", action="version", version=f"wcd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the daemon")
@@ -27,17 +27,21 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--instance", help="instance name: reads /etc/wcd/NAME.toml, listens on /run/wcd/NAME.sock")
     serve.add_argument("--socket", type=Path, help="listen here (overrides the config)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    demo = sub.add_parser("demo", help="write a checkpoint, serve it, attach it, compare with safetensors")
-    demo.add_argument("--size-mb", type=int, default=384, help="checkpoint size (default 384)")
+    demo_help = ("write a checkpoint (~330 MiB by default) to a temporary directory under $TMPDIR, serve it, "
+                 "attach it, compare with safetensors; all removed at the end")
+    demo = sub.add_parser("demo", help=demo_help, description=demo_help)
+    demo.add_argument("--size-mb", type=int, default=384, metavar="MB",
+                      help="checkpoint size to aim at, in MiB; the layout writes ~85%% of it (default 384: ~330 MiB)")
     demo.add_argument("--tensors", type=int, default=300, help="number of tensors (default 300)")
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve_main(args)
     try:
+        import numpy  # noqa: F401 - safetensors.torch writes through it
         import torch  # noqa: F401
-    except ImportError:
-        die("wcd demo", "needs torch on the engine side: pip install torch, or '.[torch]' in a checkout "
-            "(the daemon itself does not)", 1)
+    except ImportError as e:
+        die("wcd demo", f"needs {e.name or 'torch'} on the engine side: pip install 'wcd-weight-cache[torch]', "
+            "or '.[torch]' in a checkout (the daemon itself does not)", 1)
     from wcd.demo import run_demo
 
     try:

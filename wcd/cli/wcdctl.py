@@ -1,6 +1,8 @@
 """`wcdctl`: inspect and steer a running daemon. Parsing and printing only.
 
-Exit codes: 0 ok, 1 the daemon replied with an error, 2 usage, 3 daemon unreachable. Every
+Exit codes: 0 ok, 1 the daemon replied with an error, 2 usage, 3 daemon unreachable. The daemon
+is `--socket PATH`, else `--instance NAME` (`$WCD_RUN_DIR/NAME.sock`, /run/wcd by default), else
+`$WCD_SOCKET`, else the only socket in the run directory. Every
 failure is one line on stderr; `--json` prints exactly one JSON document on stdout. A reader
 that closes the pipe early (`wcdctl list | head -1`) ends the command quietly, with status 0.
 """
@@ -15,9 +17,10 @@ import time
 from typing import Any
 
 from wcd import __version__
-from wcd.cli import die, quiet_on_closed_pipe
+from wcd.cli import Parser, die, quiet_on_closed_pipe
 from wcd.client import Client
-from wcd.config import format_progress, format_size
+from wcd.config import counted, format_progress, format_size
+from wcd.configfile import RUN_DIR, instance_socket_path, instance_sockets
 from wcd.errors import DaemonUnavailable, PermissionDenied, WcdError
 
 PROG = "wcdctl"
@@ -29,10 +32,14 @@ def _parser() -> argparse.ArgumentParser:
     # --json`), as with systemctl: every subparser shares them. SUPPRESS keeps a subparser that
     # did not see an option from overwriting what the main parser read (defaults are applied after
     # parsing: set_defaults would change the shared option objects, and with them the subparsers).
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--socket", default=argparse.SUPPRESS, help="daemon socket (default: $WCD_SOCKET)")
+    common = Parser(add_help=False)
+    where = common.add_mutually_exclusive_group()
+    where.add_argument("--socket", default=argparse.SUPPRESS,
+                       help="daemon socket (default: $WCD_SOCKET, or the only socket in the run directory)")
+    where.add_argument("-i", "--instance", default=argparse.SUPPRESS, metavar="NAME",
+                       help=f"the daemon of instance NAME: {RUN_DIR}/NAME.sock")
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print one JSON document")
-    parser = argparse.ArgumentParser(prog=PROG, description="Inspect and control a wcd daemon", parents=[common])
+    parser = Parser(prog=PROG, description="Inspect and control a wcd daemon", parents=[common])
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for cmd, text in (("status", "daemon, devices, entries and loads in progress"), ("list", "resident entries"),
@@ -55,10 +62,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    args.socket = getattr(args, "socket", None) or os.environ.get("WCD_SOCKET")
+    args.socket = _socket(getattr(args, "socket", None), getattr(args, "instance", None))
     args.json = getattr(args, "json", False)
-    if not args.socket:
-        die(PROG, "no daemon socket: pass --socket PATH or set WCD_SOCKET (e.g. /run/wcd/NAME.sock)", EXIT_USAGE)
     try:
         with Client(args.socket, name=f"wcdctl pid {os.getpid()}", timeout=None if args.command in
                     ("load", "verify") else 30, heartbeats=False) as client:
@@ -81,6 +86,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _socket(given: str | None, instance: str | None) -> str:
+    """The daemon to talk to (see the module's docstring); one line and an exit if none or several."""
+    if given:
+        return given
+    if instance:
+        return str(instance_socket_path(instance))
+    if os.environ.get("WCD_SOCKET"):
+        return os.environ["WCD_SOCKET"]
+    found = instance_sockets()
+    if len(found) == 1:
+        return str(found[0])
+    if not found:
+        die(PROG, f"no daemon socket in {RUN_DIR} (is wcd@NAME.socket started?): pass --instance NAME or "
+            "--socket PATH, or set WCD_SOCKET", EXIT_UNREACHABLE)
+    names = ", ".join(p.name.removesuffix(".sock") for p in found)
+    die(PROG, f"{len(found)} daemons in {RUN_DIR} ({names}): pick one with --instance NAME", EXIT_USAGE)
+
+
 def _run(client: Client, args: argparse.Namespace) -> dict[str, Any]:
     cmd = args.command
     if cmd == "status":
@@ -95,13 +118,23 @@ def _run(client: Client, args: argparse.Namespace) -> dict[str, Any]:
             client.ping()
         return {"rtt_us": round((time.perf_counter() - started) / n * 1e6, 1), "server": client.server["server"]}
     if cmd == "metrics":
-        return {"text": client.metrics()}
+        text = client.metrics()
+        return {"text": text} if not args.json else {"metrics": _samples(text)}
     if cmd == "load":
         return {"entry": client.load(args.name, args.path, device=args.device, retention=args.retention,
                                      wait=args.wait)}
     if cmd == "evict":
         return _strip(client.evict(args.name))
     return _strip(client.verify(args.name))
+
+
+def _samples(text: str) -> list[dict[str, Any]]:
+    """The metrics as JSON: one object per family, with its samples (name, labels, value)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [{"name": f.name, "type": f.type, "help": f.documentation,
+             "samples": [{"name": x.name, "labels": x.labels, "value": x.value} for x in f.samples]}
+            for f in text_string_to_metric_families(text)]
 
 
 def _strip(reply: dict[str, Any]) -> dict[str, Any]:
@@ -131,7 +164,7 @@ def _render(cmd: str, r: dict[str, Any]) -> str:
     if cmd == "evict":
         if r["state"] == "evicted":
             return f"{r['entry']}: evicted"
-        return f"{r['entry']}: {r['state']}; freed when its {r['leases']} lease(s) end"
+        return f"{r['entry']}: {r['state']}; freed when its {counted(r['leases'], 'lease')} end"
     listed = r["mismatched"]
     count = r.get("mismatched_count", len(listed))  # older daemons sent the names only (50 at most)
     verdict = "OK" if r["match"] else f"MISMATCH in {count} tensor(s): {', '.join(listed)}" + \
@@ -142,7 +175,8 @@ def _render(cmd: str, r: dict[str, Any]) -> str:
 def _status(r: dict[str, Any]) -> str:
     lines = [f"wcd {r['version']}  instance {r['instance']}  pid {r['pid']}  "
              f"up {_duration(r['uptime_s'])}  {r['socket']}",
-             f"{len(r['entries'])} entries, {r['leases']} leases, {r['connections']} connections, "
+             f"{counted(len(r['entries']), 'entry')}, {counted(r['leases'], 'lease')}, "
+             f"{counted(r['connections'], 'connection')}, "
              f"lease TTL {r['lease_ttl_s']:g}s", ""]
     lines.append(_table(["DEVICE", "NAME", "TOTAL", "FREE", "BUDGET", "USED BY WCD"], [
         [d["device"], d["name"], format_size(d["total"]), format_size(d["free"]), format_size(d["budget"]),
