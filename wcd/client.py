@@ -627,7 +627,11 @@ class Follower:
         self.client, self.series = client, series
         self._into = dict(copy_into) if copy_into is not None else None
         self.announced = client.watch(series)  # the current generation, as last announced
-        lease = client._acquire_generation(series, None, "map" if self._into is not None else "remappable")
+        try:
+            lease = client._acquire_generation(series, None, "map" if self._into is not None else "remappable")
+        except BaseException:
+            client.unwatch(series)
+            raise
         self.generation = int(lease.entry.rpartition("@")[2])
         self.announced = self.generation
         self._layout = lease.manifest.layout()

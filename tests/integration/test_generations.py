@@ -11,6 +11,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,27 @@ def digest(tensors: dict[str, torch.Tensor]) -> str:
         h.update(name.encode())
         h.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+@pytest.fixture
+def make_daemon(make_daemon: Any) -> Iterator[Any]:
+    """The integration daemon, whose `client()`s are closed when the test ends."""
+    opened: list[Any] = []
+
+    def make(*args: Any, **kwargs: Any) -> Any:
+        daemon = make_daemon(*args, **kwargs)
+        plain = daemon.client
+
+        def client(**kw: Any) -> Any:
+            opened.append(plain(**kw))
+            return opened[-1]
+
+        daemon.client = client
+        return daemon
+
+    yield make
+    for c in opened:
+        c.close()
 
 
 def entries(client: Any) -> dict[str, dict[str, Any]]:
@@ -197,11 +219,11 @@ def test_an_engine_killed_mid_follow_returns_its_generation(make_daemon: Any) ->
         f.poll(timeout=30)
         os.kill(os.getpid(), 9)  # told of generation 2, killed before (or while) moving to it
     """)
-    engine = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    assert engine.stdout is not None and engine.stdout.readline().startswith("following 1")
-    assert entries(trainer)["p@1"]["leases"] == 1
-    trainer.publish_generation("p", weights(2))
-    engine.wait(timeout=30)
+    with subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) as engine:
+        assert engine.stdout is not None and engine.stdout.readline().startswith("following 1")
+        assert entries(trainer)["p@1"]["leases"] == 1
+        trainer.publish_generation("p", weights(2))
+        engine.wait(timeout=30)
     deadline = time.monotonic() + 10
     while "p@1" in entries(trainer) and time.monotonic() < deadline:
         time.sleep(0.05)
