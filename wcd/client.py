@@ -467,9 +467,13 @@ class Client:
     def verify(self, target: str | WeightCacheKey) -> dict[str, Any]:
         return self.request("verify", **_target(target))
 
-    def acquire(self, target: str | WeightCacheKey, *, wait: bool = True, timeout_s: float = 3600.0) -> Lease:
-        """A read lease on an entry (by entry name or exact key), waiting while it loads."""
-        reply, fds = self.request_fds("acquire", wait=wait, timeout_s=timeout_s, **_target(target))
+    def acquire(self, target: str | WeightCacheKey, *, wait: bool = True, timeout_s: float = 3600.0,
+                digest: str | None = None) -> Lease:
+        """A read lease on an entry (by entry name or exact key), waiting while it loads. With
+        `digest` (the full content digest `verify` reports) the daemon attaches only an entry
+        holding exactly those bytes (it hashes an entry once, at commit or at the first such ask)."""
+        checked = {} if digest is None else {"digest": digest}
+        reply, fds = self.request_fds("acquire", wait=wait, timeout_s=timeout_s, **_target(target), **checked)
         return self._track(Lease(self, reply, _one_fd(fds)))
 
     def reserve(self, key: WeightCacheKey, tensors: Mapping[str, tuple[Any, tuple[int, ...]]], *,

@@ -28,7 +28,16 @@ from wcd import __version__, protocol
 from wcd.arenas import backend_for
 from wcd.cache import Cache, Entry, LeaseRecord
 from wcd.connection import Connection
-from wcd.errors import BadRequest, Busy, Internal, NotFound, PermissionDenied, UnsupportedVersion, WcdError
+from wcd.errors import (
+    BadRequest,
+    Busy,
+    Internal,
+    KeyMismatch,
+    NotFound,
+    PermissionDenied,
+    UnsupportedVersion,
+    WcdError,
+)
 from wcd.key import HOST_DEVICE, WeightCacheKey
 from wcd.manifest import Manifest
 from wcd.metrics import Metrics
@@ -220,10 +229,17 @@ async def acquire(ctx: Context, conn: Connection, req: protocol.Acquire) -> None
                     entry.name, max(0.0, deadline - time.monotonic()))):
                 raise
             entry = ctx.state.cache.find(target, ctx.publishers(conn))
+    if req.digest is not None:
+        resident = await ctx.residency.content_digest(entry)
+        if resident != req.digest:
+            raise KeyMismatch(
+                f"entry {entry.name!r} holds other bytes than the content digest asked for ({resident[:16]}... "
+                f"resident, {req.digest[:16]}... asked): not attached", {"fields": ["digest"], "entry": entry.name,
+                                                                         "resident": resident})
     if not entry.manifest.wire_ready():  # once per entry: 10^5 tensors take a while
         await asyncio.to_thread(entry.manifest.wire)
-        if ctx.state.cache.entries.get(entry.name) is not entry:
-            raise NotFound(f"entry {entry.name!r} was evicted while it was being acquired")
+    if ctx.state.cache.entries.get(entry.name) is not entry:
+        raise NotFound(f"entry {entry.name!r} was evicted while it was being acquired")
     conn.quotas.fd_room(conn)
     _send_lease(ctx, conn, req.id, ctx.state.cache.acquire(entry, conn, conn.pid, conn.uid))
 

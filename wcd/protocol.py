@@ -102,9 +102,13 @@ class _Target(_Req):
 
 
 class Acquire(_Target):
+    """`digest`: the full content digest (as `verify` reports it) the reader wants checked: an
+    entry holding other bytes is refused `key_mismatch`."""
+
     op: Literal["acquire"]
     wait: StrictBool = True
     timeout_s: Annotated[float, Field(gt=0, le=24 * 3600)] = 3600.0
+    digest: Annotated[str, StringConstraints(pattern="^[0-9a-f]{64}$")] | None = None
 
 
 class Heartbeat(_Req):

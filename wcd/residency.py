@@ -38,7 +38,7 @@ from wcd.header_helpers import HeaderHelpers
 from wcd.header_helpers import default_count as default_helpers
 from wcd.key import WeightCacheKey, first_fingerprint
 from wcd.life import Life, life
-from wcd.loader import Cancelled, default_workers, fill_arena
+from wcd.loader import Cancelled, content_digest, default_workers, fill_arena
 from wcd.manifest import Manifest
 from wcd.metrics import Metrics
 from wcd.offloop import both, close_later, free_later, produced, using
@@ -319,6 +319,22 @@ class Residency:
         return entry
 
     # -- verifying --------------------------------------------------------------------------
+
+    async def content_digest(self, entry: Entry) -> str:
+        """The full content digest of what is resident (`loader.content_digest`, as `verify` gives
+        it), hashed once per entry in the digest pool and kept: at commit for published entries,
+        at the first request for the others (the bytes are sealed, so it cannot change)."""
+        record = life(entry)
+        if record.digest is None:
+            self._verifier.keep_digest(entry, "digest at its first request")
+        assert record.digest is not None
+        try:
+            digests = await asyncio.shield(record.digest[0])
+        except Exception:
+            if self.cache.entries.get(entry.name) is not entry:  # evicted while it was hashed
+                raise NotFound(f"entry {entry.name!r} was evicted while its content digest was taken") from None
+            raise
+        return await asyncio.to_thread(content_digest, digests)
 
     async def verify(self, entry: Entry) -> Verification:
         """The content digest of what is resident and the tensors that differ (`wcd.verifying`).
