@@ -11,7 +11,8 @@ SPEC := $(shell cat pyproject.toml | sha256sum | cut -c1-12)-$(shell echo '$(TOR
 VENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/wcd/venv-$(SPEC)
 BIN := $(VENV)/bin
 
-.PHONY: venv demo lint test test-slow test-unit test-package test-system test-engines package bench clean-venv
+.PHONY: venv demo lint test test-slow test-unit test-package test-system test-engines package bench device-wheels \
+	clean-venv
 
 $(VENV)/.ready:
 	rm -rf "$(VENV)"
@@ -60,8 +61,32 @@ package:
 test-unit: venv
 	"$(BIN)/python" -m pytest -q -p no:cacheprovider tests/unit
 
+# The host benchmarks (bench/README.md), small enough for a laptop: JSON in $(BENCH_OUT).
+BENCH_OUT ?= $(or $(TMPDIR),/tmp)/wcd-bench
 bench: venv
-	"$(BIN)/python" bench/bench_host.py
+	mkdir -p "$(BENCH_OUT)"
+	"$(BIN)/python" bench/bench_host.py --json "$(BENCH_OUT)/host.json"
+	"$(BIN)/python" bench/bench_attach.py --counts 1000,100000 --sizes-mb 1024,1600 --json "$(BENCH_OUT)/attach.json"
+	"$(BIN)/python" bench/bench_load.py --ckpt 1.6:1000 --ckpt 1.6:100000 --loaders wcd,safetensors \
+	  --json "$(BENCH_OUT)/load.json"
+	"$(BIN)/python" bench/bench_admit.py --ckpt 1.6:1000 --ckpt 1.6:100000 --helpers 4 --json "$(BENCH_OUT)/admit.json"
+	"$(BIN)/python" bench/bench_restart.py --ckpt 0.1:200 --ckpt 1.6:100000 --restarts 3 --json "$(BENCH_OUT)/restart.json"
+
+# The wheels the GPU machine (Python 3.12, x86-64, no network; torch, msgpack, uvloop and
+# safetensors installed) lacks, into .whl/ for bench/device_run.sh: wcd's pure dependencies at the
+# versions of packaging/locks/wcd.txt, and the peer loaders bench_load compares against.
+DEVICE_PYTHON ?= 3.12
+DEVICE_DEPS := annotated-types|pydantic|pydantic_core|typing-inspection|sdnotify
+PEER_LOADERS ?= fastsafetensors==0.5.0 instanttensor==0.2.2 runai-model-streamer==0.17.1
+device-wheels: $(VENV)/.ready
+	rm -rf .whl && mkdir .whl
+	pins="$$(grep -oE '^($(DEVICE_DEPS))==[^ ]+' packaging/locks/wcd.txt)" && \
+	"$(BIN)/pip" download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+	  --python-version $(DEVICE_PYTHON) --implementation cp --platform manylinux_2_28_x86_64 \
+	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+	  $$(echo "$$pins" | grep -v '^sdnotify') $(PEER_LOADERS) && \
+	"$(BIN)/pip" wheel -q --disable-pip-version-check --no-deps -w .whl $$(echo "$$pins" | grep '^sdnotify')
+	du -sh .whl
 
 clean-venv:
 	rm -rf "$(VENV)"

@@ -1,5 +1,5 @@
-"""Admission CPU cost per phase (issue 14 item 4b): what the daemon does in Python before and
-around the copy of a checkpoint, for few and many tensors of the same bytes.
+"""Admit: the CPU cost of admitting a checkpoint, per phase: what the daemon does in Python before
+and around the copy of a checkpoint, for few and many tensors of the same bytes.
 
 Phases: `Checkpoint.open` (header parse and validation), `fingerprint`, `manifest()`,
 `copy_plan`, `recheck` (the fingerprint again: the check after a fill) and `grouped()` (the wire
@@ -8,33 +8,31 @@ the bare `json.loads` and `pydantic_core.from_json` (what `open` parses with) of
 objects freed, cyclic GC off: the floor no per-tensor saving gets below; `open_helpers` is `open`
 with `--helpers N` header helper processes (`wcd.header_helpers`). `load_op` is the load op's
 CPU besides the copies (open, fingerprint, manifest, plan, recheck). Checkpoints are bench_load's
-synthetic BF16 shards (written once).
+synthetic BF16 shards (written once). A `--variant`'s tuning is passed to the plan here (its daemon
+config does not apply: no daemon runs); each variant's phases are measured in turn.
 
-    python bench/bench_admit.py --dir /var/tmp/wcd-admit --ckpt 1.6:1000 --ckpt 1.6:100000
+    python bench/bench_admit.py --dir /var/tmp/wcd-admit --ckpt 1.6:1000 --ckpt 1.6:100000 --helpers 8
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common
+from common import write_checkpoint
+from pydantic_core import from_json
 
-from bench_load import write_checkpoint  # noqa: E402
-from pydantic_core import from_json  # noqa: E402
-
-from wcd import key  # noqa: E402
-from wcd.checkpoint import Checkpoint  # noqa: E402
-from wcd.header_helpers import HeaderHelpers  # noqa: E402
+from wcd import key
+from wcd.checkpoint import Checkpoint
+from wcd.header_helpers import HeaderHelpers
+from wcd.tuning import LoadTuning
 
 
 def bare_parse(files: list[Path], parse: Callable[[bytes], Any]) -> None:
@@ -52,7 +50,7 @@ def bare_parse(files: list[Path], parse: Callable[[bytes], Any]) -> None:
             gc.enable()
 
 
-def phases(d: Path, files: list[Path], helpers: HeaderHelpers | None) -> dict[str, float]:
+def phases(d: Path, files: list[Path], helpers: HeaderHelpers | None, tuning: LoadTuning) -> dict[str, float]:
     out: dict[str, float] = {}
 
     def timed(name: str, f: Callable[[], Any]) -> Any:
@@ -68,7 +66,7 @@ def phases(d: Path, files: list[Path], helpers: HeaderHelpers | None) -> dict[st
     with timed("open", lambda: Checkpoint.open(d)) as ckpt:
         timed("fingerprint", lambda: key.fingerprint(ckpt))
         manifest = timed("manifest", ckpt.manifest)
-        timed("copy_plan", lambda: ckpt.copy_plan(manifest))
+        timed("copy_plan", lambda: ckpt.copy_plan(manifest, chunk=tuning.chunk_bytes))
         timed("recheck", lambda: key.fingerprint(ckpt))
         timed("grouped", manifest.grouped)
     out["admission"] = out["open"] + out["manifest"] + out["copy_plan"] + out["grouped"]
@@ -77,34 +75,36 @@ def phases(d: Path, files: list[Path], helpers: HeaderHelpers | None) -> dict[st
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = common.parser(__doc__)
     p.add_argument("--dir", type=Path, default=Path(os.environ.get("TMPDIR", "/var/tmp")) / "wcd-admit")
     p.add_argument("--ckpt", action="append", metavar="GB:TENSORS", help="default: 1.6:1000 and 1.6:100000")
     p.add_argument("--shards", type=int, default=4)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--helpers", type=int, default=0, help="header helper processes for open_helpers (0: not measured)")
-    p.add_argument("--out", type=Path)
     args = p.parse_args()
     helpers = HeaderHelpers(args.helpers) if args.helpers else None
+    result: dict[str, Any] = {**common.run_info("cpu", args.variant), "helpers": args.helpers, "rows": []}
     if helpers is not None:
         start = time.perf_counter()
         helpers.start()
-        print(f"{args.helpers} header helpers started in {(time.perf_counter() - start) * 1e3:.0f} ms")
-    results = []
-    for spec in args.ckpt or ["1.6:1000", "1.6:100000"]:
-        gb, tensors = spec.split(":")
-        d = args.dir / f"{gb}gb-{tensors}"
-        files = write_checkpoint(d, int(float(gb) * 1e9), int(tensors), args.shards)
-        runs = [phases(d, files, helpers) for _ in range(args.reps)]
-        median = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        results.append({"gb": float(gb), "tensors": int(tensors), "median_s": median})
-        print(f"{tensors:>7} tensors: " + "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in median.items())
-              + f"  (admission / json: {median['admission'] / median['json']:.2f}; load_op / from_json: "
-                f"{median['load_op'] / median['from_json']:.2f})")
-    if helpers is not None:
-        helpers.close()
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=1) + "\n")
+        result["helpers_start_s"] = time.perf_counter() - start
+        print(f"{args.helpers} header helpers started in {result['helpers_start_s'] * 1e3:.0f} ms")
+    try:
+        for gb, tensors in common.ckpt_specs(args.ckpt):
+            d = args.dir / f"{gb:g}gb-{tensors}"
+            files = write_checkpoint(d, int(gb * 1e9), tensors, args.shards)
+            for v in args.variant:
+                runs = [phases(d, files, helpers, LoadTuning(**v.tuning)) for _ in range(args.reps)]
+                median = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+                result["rows"].append({"gb": gb, "tensors": tensors, "variant": v.name, "median_s": median})
+                shown = "  ".join(f"{k} {x * 1e3:.1f} ms" for k, x in median.items())
+                print(f"{tensors:>7} tensors, {v.name}: {shown}"
+                      + f"  (admission / json: {median['admission'] / median['json']:.2f}; load_op / from_json: "
+                        f"{median['load_op'] / median['from_json']:.2f})", flush=True)
+    finally:
+        if helpers is not None:
+            helpers.close()
+        common.write_json(args.json, result)
 
 
 if __name__ == "__main__":

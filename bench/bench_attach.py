@@ -1,4 +1,4 @@
-"""Attach as the engine sees it, side by side with what an engine would use instead. One run.
+"""Attach: as the engine sees it, side by side with what an engine would use instead. One run.
 
 For each tensor count (default 1k, 10k, 100k) a synthetic transformer-shaped checkpoint is written
 and loaded into a daemon. Then, in fresh processes that have already imported torch (and, on a
@@ -14,13 +14,16 @@ clock runs from its first import to every tensor usable:
   load_file  safetensors `load_file(device=...)` of every shard (page cache warm); on the host also
              followed by a copy into the engine's own tensors (safetensors maps the file lazily).
 
-    python bench/bench_attach.py --device cpu    --out bench/results/attach-host.json
-    python bench/bench_attach.py --device cuda:0 --out attach-h200.json      (on the GPU machine)
+With several `--variant`s, each variant's daemon serves the same checkpoints and its wcd rows
+follow one another (the peers are measured once per count).
+
+    python bench/bench_attach.py --device cpu --counts 1000,100000 --json attach-host.json
+    python bench/bench_attach.py --device cuda:0 --json attach-h200.json
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import json
 import os
 import platform
@@ -28,12 +31,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import common
+from common import ROOT as REPO
+from common import Daemon, write_shaped_checkpoint
 
 # Every consumer starts with the engine's own costs (torch, CUDA context), timed apart.
 _PRELUDE = r"""
@@ -130,43 +133,13 @@ def consumer(script: str, *args: str) -> dict[str, Any]:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def write_fast_checkpoint(directory: Path, size_bytes: int, n_tensors: int, shards: int = 4) -> Path:
-    """The demo's transformer-shaped layout, filled with random bytes (fast at 16 GB)."""
-    from wcd.demo import checkpoint_layout
-    from wcd.manifest import DTYPE_SIZES
-
-    directory.mkdir(parents=True, exist_ok=True)
-    layout = checkpoint_layout(size_bytes, n_tensors)
-    block = os.urandom(64 << 20)
-    per = -(-len(layout) // shards)
-    for s in range(shards):
-        header: dict[str, Any] = {}
-        at = 0
-        for name, dtype, shape in layout[s * per : (s + 1) * per]:
-            n = DTYPE_SIZES[dtype]
-            for d in shape:
-                n *= d
-            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [at, at + n]}
-            at += n
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        with open(directory / f"model-{s + 1:05d}-of-{shards:05d}.safetensors", "wb") as f:
-            f.write(len(raw).to_bytes(8, "little") + raw)
-            left = at
-            while left:
-                left -= f.write(memoryview(block)[: min(left, len(block))])
-    return directory
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cpu")
+    ap = common.parser(__doc__)
     ap.add_argument("--counts", default="1000,10000,100000")
     ap.add_argument("--sizes-mb", default=None, help="checkpoint size per count (default: 16 GB, 16 GB, 1.6 GB on "
                                                       "a GPU; 1 GiB, 1 GiB, 1.6 GB on the host)")
     ap.add_argument("--reps", type=int, default=3, help="fresh processes per method and count")
     ap.add_argument("--dir", type=Path, default=None)
-    ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     counts = [int(c) for c in args.counts.split(",")]
     gpu = args.device != "cpu"
@@ -174,70 +147,66 @@ def main() -> None:
     sizes = ([int(s) for s in args.sizes_mb.split(",")] if args.sizes_mb
              else [default_mb.get(c, 1024) for c in counts])
 
-    from wcd.client import connect
-
-    with tempfile.TemporaryDirectory(prefix="wcd-attach-", dir=args.dir) as tmp:
+    res = {**common.run_info(args.device, args.variant), "host": host(args.device), "reps": args.reps, "rows": []}
+    rows: list[dict[str, Any]] = res["rows"]
+    with tempfile.TemporaryDirectory(prefix="wcd-attach-", dir=args.dir) as tmp, contextlib.ExitStack() as stack:
         root = Path(tmp)
         models = ""
         ckpts = {}
         for n, mb in zip(counts, sizes):
-            ckpts[n] = write_fast_checkpoint(root / f"ckpt-{n}", mb * 1_000_000, n)
+            ckpts[n] = write_shaped_checkpoint(root / f"ckpt-{n}", mb * 1_000_000, n)
             models += (f'[[models]]\nname = "n{n}"\npath = "{ckpts[n]}"\ndevice = "{args.device}"\n'
                        'retention = "cached"\n')
-        sock = root / "wcd.sock"
         budget = f'budget = {{ "{args.device}" = "90%" }}\n' if gpu else ""
-        (root / "wcd.toml").write_text(f'[daemon]\nsocket = "{sock}"\n{budget}{models}')
-        daemon = subprocess.Popen([sys.executable, "-m", "wcd", "serve", "--config", str(root / "wcd.toml"),
-                                   "--log-level", "warning"], cwd=str(REPO))
-        rows = []
-        try:
-            with connect(sock, wait_s=120, while_alive=lambda: daemon.poll() is None) as c:
+        daemons = [stack.enter_context(Daemon(root / v.name, v, budget + models)) for v in args.variant]
+        from wcd.client import Client
+
+        for daemon in daemons:
+            with Client(daemon.socket) as c:
                 for n in counts:
                     with c.acquire(f"n{n}"):  # waits for the daemon's load
                         pass
-            for n in counts:
-                dump = root / f"ipc-{n}.pickle"
-                cmd = [sys.executable, "-c", _IPC_PRODUCER, args.device, str(ckpts[n]), str(dump)]
-                producer = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                            stderr=subprocess.PIPE, text=True, cwd=str(REPO))
-                try:
-                    assert producer.stdout is not None and producer.stderr is not None
-                    ipc_ok = producer.stdout.readline().strip() == "ready"
-                    ipc_error = "" if ipc_ok else producer.stderr.read().strip().splitlines()[-1][:300]
-                    runs: dict[str, list[dict[str, Any]]] = {"wcd": [], "ipc": [], "load_file": []}
-                    for _ in range(args.reps):  # interleaved, so drift hits every method alike
-                        runs["wcd"].append(consumer(_WCD, args.device, str(sock), f"n{n}", "5"))
-                        if ipc_ok:
-                            runs["ipc"].append(consumer(_IPC, args.device, str(dump)))
-                        runs["load_file"].append(consumer(_LOAD_FILE, args.device, str(ckpts[n])))
-                finally:
-                    if producer.stdin:
-                        producer.stdin.close()
-                    producer.wait()
-                    dump.unlink(missing_ok=True)
-                nbytes = sum(f.stat().st_size for f in ckpts[n].iterdir())
-                rows.append(summarize(n, nbytes, runs, ipc_error))
+        for n in counts:
+            dump = root / f"ipc-{n}.pickle"
+            cmd = [sys.executable, "-c", _IPC_PRODUCER, args.device, str(ckpts[n]), str(dump)]
+            producer = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True, cwd=str(REPO))
+            try:
+                assert producer.stdout is not None and producer.stderr is not None
+                ipc_ok = producer.stdout.readline().strip() == "ready"
+                ipc_error = "" if ipc_ok else producer.stderr.read().strip().splitlines()[-1][:300]
+                runs: dict[str, list[dict[str, Any]]] = {"ipc": [], "load_file": []}
+                runs.update({d.variant.name: [] for d in daemons})
+                for _ in range(args.reps):  # interleaved, so drift hits every method alike
+                    for d in daemons:
+                        runs[d.variant.name].append(consumer(_WCD, args.device, str(d.socket), f"n{n}", "5"))
+                    if ipc_ok:
+                        runs["ipc"].append(consumer(_IPC, args.device, str(dump)))
+                    runs["load_file"].append(consumer(_LOAD_FILE, args.device, str(ckpts[n])))
+            finally:
+                if producer.stdin:
+                    producer.stdin.close()
+                producer.wait()
+                dump.unlink(missing_ok=True)
+            nbytes = sum(f.stat().st_size for f in ckpts[n].iterdir())
+            for d in daemons:
+                rows.append(summarize(n, nbytes, {**runs, "wcd": runs[d.variant.name]}, ipc_error, d.variant.name))
                 print(json.dumps(rows[-1]), flush=True)  # partial results survive a timeout
-        finally:
-            daemon.terminate()
-            daemon.wait()
-
-    res = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "device": args.device, "host": host(args.device),
-           "reps": args.reps, "rows": rows}
+            common.write_json(args.json, res)
     print(report(res))
-    if args.out:
-        args.out.write_text(json.dumps(res, indent=2) + "\n")
+    common.write_json(args.json, res)
 
 
 def med(runs: list[dict[str, Any]], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
 
-def summarize(n: int, nbytes: int, runs: dict[str, list[dict[str, Any]]], ipc_error: str) -> dict[str, Any]:
+def summarize(n: int, nbytes: int, runs: dict[str, list[dict[str, Any]]], ipc_error: str,
+              variant: str) -> dict[str, Any]:
     w = runs["wcd"]
     for r in runs.values():
         assert all(x["tensors"] == n for x in r), "a method did not produce every tensor"
-    row = {"tensors": n, "bytes": nbytes, "prelude_s": med(w, "prelude_s"),
+    row = {"tensors": n, "variant": variant, "bytes": nbytes, "prelude_s": med(w, "prelude_s"),
            "wcd": {k: med(w, k) for k in ("import_s", "connect_s", "acquire_views_s", "total_s", "reacquire_s")},
            "wcd_total_all": [x["total_s"] for x in w],
            "ipc_s": med(runs["ipc"], "total_s") if runs["ipc"] else None,
@@ -251,15 +220,16 @@ def summarize(n: int, nbytes: int, runs: dict[str, list[dict[str, Any]]], ipc_er
 def report(res: dict[str, Any]) -> str:
     ms = lambda s: f"{s * 1e3:.1f}"  # noqa: E731
     lines = [f"# attach, {res['device']}, {res['host']}, {res['date']}; medians of {res['reps']} fresh processes",
-             "", "| tensors | size | wcd import | connect | acquire+views | **wcd total** | re-acquire | "
+             "", "| tensors | variant | size | wcd import | connect | acquire+views | **wcd total** | re-acquire | "
              "per-tensor IPC | load_file | IPC / wcd | load_file / wcd |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["rows"]:
         w = r["wcd"]
         ipc = ms(r["ipc_s"]) if r["ipc_s"] is not None else f"failed: {r['ipc_error'][:80]}"
         ipc_ratio = f"{r['ipc_s'] / w['total_s']:.1f}x" if r["ipc_s"] is not None else "-"
         lf = ms(r["load_file_s"]) + (f" ({ms(r['load_file_copy_s'])} with copy)" if "load_file_copy_s" in r else "")
-        lines.append(f"| {r['tensors']:,} | {r['bytes'] / 1e9:.1f} GB | {ms(w['import_s'])} | {ms(w['connect_s'])} | "
+        lines.append(f"| {r['tensors']:,} | {r['variant']} | {r['bytes'] / 1e9:.1f} GB | {ms(w['import_s'])} | "
+                     f"{ms(w['connect_s'])} | "
                      f"{ms(w['acquire_views_s'])} | **{ms(w['total_s'])}** | {ms(w['reacquire_s'])} | "
                      f"{ipc} | {lf} | {ipc_ratio} | "
                      f"{r['load_file_s'] / w['total_s']:.1f}x |")

@@ -1,4 +1,4 @@
-"""Host-memory benchmark: attach vs safetensors load_file, and the control-plane round-trip rate.
+"""Host control plane: attach vs safetensors load_file in host memory, and round trips per second.
 
 One run, side by side, on a synthetic checkpoint (default ~1 GiB, 1000 tensors, page cache warm):
   - attach: client time from connect to usable tensor views (fresh process, `import torch`
@@ -6,29 +6,28 @@ One run, side by side, on a synthetic checkpoint (default ~1 GiB, 1000 tensors, 
   - safetensors `load_file`: lazy (mmap, nothing read) and followed by the copy into the
     engine's own tensors that an engine makes;
   - ping and heartbeat round trips per second with 64 concurrent clients.
-Prints a table and writes JSON (--out).
+Prints a table per `--variant` and writes JSON (--json). `make bench` runs it.
 
-    python bench/bench_host.py [--size-mb 1024] [--tensors 1000] [--clients 64] [--out results.json]
+    python bench/bench_host.py [--size-mb 1024] [--tensors 1000] [--clients 64] [--json host.json]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing as mp
-import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common
+from common import ROOT, Daemon, Variant
 
-from wcd.client import Client, connect  # noqa: E402
-from wcd.demo import write_checkpoint  # noqa: E402
+from wcd.client import Client
+from wcd.demo import write_checkpoint
 
 _ENGINE = r"""
 import json, sys, time
@@ -76,7 +75,7 @@ print(json.dumps(out))
 
 def engine(mode: str, where: str, reps: int) -> dict:
     out = subprocess.run([sys.executable, "-c", _ENGINE, mode, where, str(reps)], capture_output=True, text=True,
-                         check=True, cwd=str(Path(__file__).resolve().parents[1]))
+                         check=True, cwd=str(ROOT))
     return json.loads(out.stdout)
 
 
@@ -124,52 +123,52 @@ def round_trips(sock: str, op: str, clients: int, procs: int, seconds: float) ->
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = common.parser(__doc__)
     ap.add_argument("--size-mb", type=int, default=1024)
     ap.add_argument("--tensors", type=int, default=1000)
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--procs", type=int, default=4, help="client processes sharing the clients")
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-
+    if args.device != "cpu":
+        raise SystemExit("bench_host measures host arenas (--device cpu); bench_attach and bench_load take a GPU")
+    result = {**common.run_info("cpu", args.variant), "rows": []}
     with tempfile.TemporaryDirectory(prefix="wcd-bench-") as tmp:
         root = Path(tmp)
         ckpt = write_checkpoint(root / "ckpt", args.size_mb << 20, args.tensors, shards=4)
-        nbytes = sum(f.stat().st_size for f in ckpt.iterdir())
-        sock = root / "wcd.sock"
-        (root / "wcd.toml").write_text(f'[daemon]\nsocket = "{sock}"\nlease_ttl_s = 30\n'
-                                       f'[[models]]\nname = "bench"\npath = "{ckpt}"\n')
-        daemon = subprocess.Popen([sys.executable, "-m", "wcd", "serve", "--config", str(root / "wcd.toml"),
-                                   "--log-level", "warning"], cwd=str(Path(__file__).resolve().parents[1]))
         try:
-            c = connect(sock, wait_s=60, while_alive=lambda: daemon.poll() is None)
-            t = time.perf_counter()
-            with c, c.acquire("bench"):
-                load_s = time.perf_counter() - t
-            disk = engine("disk", str(ckpt), 3)  # page cache warm from writing and loading
-            attach = engine("wcd", str(sock), args.reps)
-            ping = round_trips(str(sock), "ping", args.clients, args.procs, args.seconds)
-            hb = round_trips(str(sock), "heartbeat", args.clients, args.procs, args.seconds)
+            for v in args.variant:
+                result["rows"].append(one(root / v.name, ckpt, v, args))
         finally:
-            daemon.terminate()
-            daemon.wait()
+            common.write_json(args.json, result)
+
+
+def one(root: Path, ckpt: Path, v: Variant, args: Any) -> dict[str, Any]:
+    """The figures of one variant's daemon, printed as they are measured."""
+    nbytes = sum(f.stat().st_size for f in ckpt.iterdir())
+    with Daemon(root, v, f'lease_ttl_s = 30\n[[models]]\nname = "bench"\npath = "{ckpt}"\n') as daemon:
+        sock = daemon.socket
+        t = time.perf_counter()
+        with Client(sock) as c, c.acquire("bench"):
+            load_s = time.perf_counter() - t
+        disk = engine("disk", str(ckpt), 3)  # page cache warm from writing and loading
+        attach = engine("wcd", str(sock), args.reps)
+        ping = round_trips(str(sock), "ping", args.clients, args.procs, args.seconds)
+        hb = round_trips(str(sock), "heartbeat", args.clients, args.procs, args.seconds)
 
     attach_med = statistics.median(attach["attach_s"])
     lazy = min(disk["lazy_s"])
     full = min(disk["full_s"])
     res = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "host": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}",
-        "checkpoint": {"bytes": nbytes, "tensors": args.tensors, "shards": 4},
+        "variant": v.name, "checkpoint": {"bytes": nbytes, "tensors": args.tensors, "shards": 4},
         "daemon_load_s": load_s,
         "attach_first_s": attach["first_attach_s"], "attach_median_s": attach_med,
         "attach_min_s": min(attach["attach_s"]), "import_torch_s": attach["import_torch_s"],
         "load_file_lazy_s": lazy, "load_file_and_copy_s": full,
         "ping_rt_per_s": ping, "heartbeat_rt_per_s": hb, "clients": args.clients, "client_procs": args.procs,
     }
-    print(f"checkpoint: {nbytes / 2**30:.2f} GiB, {args.tensors} tensors, 4 shards, page cache warm")
+    print(f"variant {v.name}: checkpoint {nbytes / 2**30:.2f} GiB, {args.tensors} tensors, 4 shards, page cache warm")
     print(f"daemon cold load into its arena:                {load_s * 1e3:9.1f} ms "
           f"({nbytes / load_s / 1e9:.2f} GB/s)")
     print(f"safetensors load_file (lazy mmap, nothing read): {lazy * 1e3:9.1f} ms")
@@ -182,9 +181,8 @@ def main() -> None:
     print(f"ping round trips/s, {args.clients} clients in {args.procs} processes:   {ping:9.0f}")
     print(f"heartbeat round trips/s, {args.clients} clients:             {hb:9.0f}")
     print(f"goals: attach <= 10 ms: {'met' if attach['first_attach_s'] <= 0.010 else 'MISSED'}; "
-          f">= 20k round trips/s: {'met' if min(ping, hb) >= 20000 else 'MISSED'}")
-    if args.out:
-        args.out.write_text(json.dumps(res, indent=2) + "\n")
+          f">= 20k round trips/s: {'met' if min(ping, hb) >= 20000 else 'MISSED'}", flush=True)
+    return res
 
 
 if __name__ == "__main__":

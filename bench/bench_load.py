@@ -1,37 +1,31 @@
-"""Load benchmark (issue 14): the daemon's `load` op against the loaders users pick, warm and cold.
+"""Load: the daemon's `load` op against the loaders users pick, warm and cold, side by side.
 
-Per checkpoint (synthetic BF16, equal tensors, a few shards), one run, side by side:
+Per checkpoint (synthetic BF16, equal tensors, a few shards), one run:
   - ceilings: a plain page-cache -> memfd copy (host) or pinned host->device copy (GPU), and,
     cold, the disk's parallel O_DIRECT read bandwidth (several readers; no fio needed);
-  - wcd `load` op through a real daemon (fingerprint + allocate + fill), as configured by default;
-    `wcd-buffered` and the other `wcd-*` variants are further daemons (their settings: `variants`);
+  - wcd's `load` op through a real daemon (fingerprint + allocate + fill), one daemon per
+    `--variant` (`wcd` is the default variant, `wcd-NAME` the others);
   - safetensors `load_file`, fastsafetensors, instanttensor, runai-model-streamer; a peer whose
     package is missing is reported as such.
 Every loader runs in a fresh process that starts as an engine does, torch imported and the CUDA
 context up, before its clock starts; wcd's clock then covers importing wcd.client, connecting and
-the op. (Until 2026-12-03 wcd's process imported no torch: after a drop of the page cache its clock
-started a few ms after the drop, the peers' after seconds of torch import; see `--settle`.)
-Cold runs drop the page cache first (`sync; echo 3 > /proc/sys/vm/drop_caches`, root only);
-`--cold-reps N` runs N cold rounds, the loaders' order rotated each round (on a VM a loader that
-follows another over the same files can read faster: the hypervisor may keep what the guest dropped).
-`--settle S` waits S seconds after each drop, before each cold load (a VM's disk may read faster
-after an idle spell: `bench/disk_idle.py`). Each cold load records what the checkpoint's block
-device saw while its clock ran (`/sys/dev/block/M:N/stat`): requests, their mean size, the time it
-was busy and the mean queue.
-Works with host arenas (`--device cpu`, any Linux VM) and on a GPU (`--device cuda:0`).
-`BENCH_DAEMON_CONFIG="load_workers = 4"` adds lines (`;` between them) to the daemons' `[daemon]` table.
+the op. Cold runs drop the page cache first (root only); `--cold-reps N` runs N cold rounds, the
+loaders' order rotated each round (on a VM a loader that follows another over the same files can
+read faster: the hypervisor may keep what the guest dropped); `--settle S` waits S seconds after
+each drop. Each cold load records what the checkpoint's block device saw while its clock ran
+(`/sys/dev/block/M:N/stat`): requests, their mean size, the time it was busy and the mean queue.
+Prints a line per loader and round, then a summary (`--summarize FILE` prints a stored run's).
 
-    python bench/bench_load.py --device cpu --ckpt 1.6:1000 --ckpt 1.6:100000 --out load.json
-    python bench/bench_load.py --device cuda:0 --ckpt 16:1000 --ckpt 1.6:100000 --cold --out load.json
+    python bench/bench_load.py --device cpu --ckpt 1.6:1000 --ckpt 1.6:100000 --json load.json
+    python bench/bench_load.py --device cuda:0 --ckpt 1.6:1000 --cold --cold-reps 5 \
+        --loaders wcd,fastsafetensors --variant default,buffered --json load.json
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import mmap
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -40,12 +34,13 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common
+from common import ROOT, Daemon, Variant, write_checkpoint
 
-from wcd.client import Client, connect  # noqa: E402
+from wcd.client import Client
 
-ROOT = Path(__file__).resolve().parents[1]
 LOADERS = ("wcd", "safetensors", "fastsafetensors", "instanttensor", "runai")
 
 # Every loader runs in a fresh process that starts as an engine would: torch imported and, on a GPU,
@@ -105,34 +100,6 @@ with Client(sys.argv[1], heartbeats=False, timeout=3600) as c:
 seconds = time.perf_counter() - start
 print(json.dumps({"seconds": seconds, "disk": disk + [open(stat).read()] if stat else []}))
 """
-
-
-def write_checkpoint(d: Path, nbytes: int, tensors: int, shards: int) -> list[Path]:
-    """Synthetic BF16 shards of equal tensors (content: a repeated random block; a load does not care)."""
-    per = max(2, nbytes // tensors // 2 * 2)
-    stamp = d / f".spec-{nbytes}-{tensors}-{shards}"
-    files = [d / f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
-    if stamp.exists() and all(f.exists() for f in files):
-        return files
-    d.mkdir(parents=True, exist_ok=True)
-    for f in d.glob("*.safetensors"):
-        f.unlink()
-    block = os.urandom(64 << 20)
-    for i, f in enumerate(files):
-        names = range(i * tensors // shards, (i + 1) * tensors // shards)
-        header = {f"layers.{j}.weight": {"dtype": "BF16", "shape": [per // 2], "data_offsets": [k * per, (k + 1) * per]}
-                  for k, j in enumerate(names)}
-        raw = json.dumps(header).encode()
-        raw += b" " * (-len(raw) % 8)
-        with open(f, "wb") as out:
-            out.write(len(raw).to_bytes(8, "little") + raw)
-            left = per * len(names)
-            while left:
-                n = min(left, len(block))
-                out.write(block[:n])
-                left -= n
-    stamp.touch()
-    return files
 
 
 def drop_caches() -> bool:
@@ -242,54 +209,30 @@ def pinned_h2d(device: str) -> float:
     return 4 * (1 << 30) / (time.perf_counter() - start)
 
 
-class Daemon:
-    def __init__(self, root: Path, device: str, cold_reads: str | None = None,
-                 sets: dict[str, int] | None = None, config_lines: str = "") -> None:
-        root.mkdir(exist_ok=True)
-        self.socket = root / "wcd.sock"
-        config = root / "wcd.toml"
-        budget = '"90%"' if device != "cpu" else '"80%"'
-        extra = os.environ.get("BENCH_DAEMON_CONFIG", "").replace(";", "\n")  # e.g. "load_workers = 4"
-        reads = f'cold_reads = "{cold_reads}"' if cold_reads else ""  # none: the daemon's default
-        config.write_text(f'[daemon]\nsocket = "{self.socket}"\nbudget = {{ "{device}" = {budget} }}\n'
-                          f'{reads}\n{config_lines}\n{extra}\n')
-        self.last_disk: list[str] = []  # the disk's counters as the last load's clock started and stopped
-        self.log = open(root / "daemon.log", "wb")
-        # `sets` (experiments, no config knobs): module constants set before the daemon starts,
-        # e.g. {"wcd.arenas.cuda.COLD_READ_BYTES": 4 << 20}.
-        start = ["-m", "wcd"] if not sets else [
-            "-c", "import importlib, json, sys\n"
-                  "for k, v in json.loads(sys.argv[1]).items():\n"
-                  "    m, _, a = k.rpartition('.'); setattr(importlib.import_module(m), a, v)\n"
-                  "from wcd.cli.wcd import main; sys.exit(main(sys.argv[2:]))", json.dumps(sets)]
-        self.proc = subprocess.Popen([sys.executable, *start, "serve", "--config", str(config),
-                                      "--log-level", os.environ.get("BENCH_DAEMON_LOG_LEVEL", "info")],
-                                     stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
-        connect(self.socket, wait_s=60, while_alive=lambda: self.proc.poll() is None, heartbeats=False).close()
+def wcd_daemon(root: Path, v: Variant, device: str, log_level: str) -> Daemon:
+    budget = '"90%"' if device != "cpu" else '"80%"'
+    return Daemon(root / v.name, v, f'budget = {{ "{device}" = {budget} }}\n', log_level=log_level, wait_s=60)
 
-    def load(self, path: Path, device: str, name: str, verify: dict[str, object] | None = None) -> float:
-        """Seconds of one `load` op; with `verify`, also times a `verify` op of the entry into it."""
-        # Like the peers: a fresh process with torch up before its clock (`_ENGINE`).
-        r = subprocess.run([sys.executable, "-c", _WCD_LOAD, str(self.socket), device, name, str(path)],
-                           capture_output=True, text=True, timeout=3600, cwd=ROOT,
-                           env={**os.environ, "BENCH_DISK_STAT": disk_stat_file(path) or "", "PYTHONPATH":
-                                os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)})
-        if r.returncode != 0:
-            raise RuntimeError(f"wcd load failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
-        got = json.loads(r.stdout.strip().splitlines()[-1])
-        seconds, self.last_disk = float(got["seconds"]), got["disk"]
-        with Client(self.socket, heartbeats=False, timeout=3600) as c:
-            if verify is not None:
-                start = time.perf_counter()
-                verify["match"] = c.verify(name)["match"]
-                verify["seconds"] = time.perf_counter() - start  # reads the arena and the files, hashes the arena
-            c.evict(name)
-        return seconds
 
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(60)
-        self.log.close()
+def wcd_load(daemon: Daemon, path: Path, device: str, name: str,
+             verify: dict[str, object] | None = None) -> tuple[float, list[str]]:
+    """Seconds of one `load` op and the disk's counters as its clock started and stopped; with
+    `verify`, also times a `verify` op of the entry into it. The entry is evicted after."""
+    # Like the peers: a fresh process with torch up before its clock (`_ENGINE`).
+    r = subprocess.run([sys.executable, "-c", _WCD_LOAD, str(daemon.socket), device, name, str(path)],
+                       capture_output=True, text=True, timeout=3600, cwd=ROOT,
+                       env={**os.environ, "BENCH_DISK_STAT": disk_stat_file(path) or "", "PYTHONPATH":
+                            os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)})
+    if r.returncode != 0:
+        raise RuntimeError(f"wcd load failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    with Client(daemon.socket, heartbeats=False, timeout=3600) as c:
+        if verify is not None:
+            start = time.perf_counter()
+            verify["match"] = c.verify(name)["match"]
+            verify["seconds"] = time.perf_counter() - start  # reads the arena and the files, hashes the arena
+        c.evict(name)
+    return float(got["seconds"]), got["disk"]
 
 
 def peer(loader: str, device: str, files: list[Path]) -> dict[str, object]:
@@ -301,66 +244,42 @@ def peer(loader: str, device: str, files: list[Path]) -> dict[str, object]:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def loader_name(v: Variant) -> str:
+    return "wcd" if v.name == "default" else f"wcd-{v.name}"
+
+
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cpu")
+    ap = common.parser(__doc__)
     ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "wcd-bench-load")
     ap.add_argument("--ckpt", action="append", help="GB:TENSORS, repeatable (default 1.6:1000 and 1.6:100000)")
     ap.add_argument("--shards", type=int, default=4)
-    ap.add_argument("--loaders", default=",".join(LOADERS))
+    ap.add_argument("--loaders", default=",".join(LOADERS), help="wcd (each --variant) and peers, comma-separated")
     ap.add_argument("--cold", action="store_true", help="also with the page cache dropped (root)")
     ap.add_argument("--cold-reps", type=int, default=1,
                     help="cold rounds, the loaders' order rotated each round (best and median reported)")
     ap.add_argument("--settle", type=float, default=0.0,
                     help="seconds to wait after each drop, before each cold load (every loader alike)")
     ap.add_argument("--reps", type=int, default=2, help="warm repetitions (best is reported)")
-    ap.add_argument("--out", type=Path)
-    ap.add_argument("--daemon-log", type=Path, help="copy the daemon's log here at the end")
+    ap.add_argument("--daemon-log", type=Path, help="copy the default daemon's log here (others' beside it)")
+    ap.add_argument("--log-level", default="info", help="the daemons' log level")
+    ap.add_argument("--summarize", type=Path, nargs="+", metavar="JSON", help="print stored runs' summaries; no run")
     args = ap.parse_args()
+    if args.summarize:
+        for path in args.summarize:
+            print("\n".join(summary(json.loads(path.read_text()), str(path))))
+        return 0
     from wcd.loader import default_workers
 
-    loaders = [x for x in args.loaders.split(",") if x]
-    specs = [(float(g), int(t)) for g, t in (s.split(":") for s in args.ckpt or ["1.6:1000", "1.6:100000"])]
-    result: dict[str, object] = {"date": time.strftime("%Y-%m-%d %H:%M"), "host": platform.node(),
-                                 "cpus": os.cpu_count(), "python": platform.python_version(),
-                                 "device": args.device, "runs": []}
+    variants: dict[str, Variant] = {loader_name(v): v for v in args.variant}
+    loaders = []
+    for x in args.loaders.split(","):
+        loaders += list(variants) if x == "wcd" else [x] if x else []
+    specs = common.ckpt_specs(args.ckpt)
+    result: dict[str, object] = {**common.run_info(args.device, args.variant), "runs": []}
     runs: list[dict[str, object]] = result["runs"]  # type: ignore[assignment]
     with tempfile.TemporaryDirectory() as tmp:
-        # "wcd" is the daemon as configured by default: cold files read with O_DIRECT in 512 KiB spans
-        # (`cuda.DIRECT_READ_BYTES`) within ops of 16 MiB (`cuda.COLD_READ_BYTES`); "wcd-buffered"
-        # reads them through the page cache, one 16 MiB read per op (the default until 2026-12-03);
-        # "wcd-direct" with O_DIRECT in whole ops (the direct mode until then); "wcd-direct-tiled-1m"
-        # in 1 MiB spans; "wcd-direct-tiled-24" with 24 loader threads (`load_workers`), not 16;
-        # "wcd-direct-512k" in ops of 512 KiB or one tensor, read whole. Buffered: "wcd-noahead" reads
-        # nothing ahead while its writer is being made (`loader.READ_AHEAD_BYTES` = 0; in round16, at
-        # 10e6a00, it was the default config without the read-ahead its O_DIRECT loads do);
-        # "wcd-sweep" in BENCH_SWEEP_BYTES reads (default 4 MiB), "wcd-direct-sweep" the same with
-        # O_DIRECT; "wcd-chunk16" copies tensors larger than a read in 16 MiB ops (`checkpoint.CHUNK_BYTES`),
-        # not 64 MiB. Tensors larger than a sweep's read are copied in ops of one read too
-        # (`checkpoint.CHUNK_BYTES`): the loader threads then take the file one read at a time, in
-        # order, whatever the tensors. A read has room for one more block: an op that starts inside
-        # a block is still one O_DIRECT read. "wcd-sync" is the default, but waits for every buffer's
-        # last copy without first asking whether it has finished (`cuda.QUERY_FIRST`);
-        # "wcd-ahead128" reads up to 128 MiB ahead while its writer is made (`loader.READ_AHEAD_BYTES`),
-        # the default until round20 (whose "wcd-ahead256" is today's default, and its "wcd" this). The
-        # eighteenth round's "wcd" (Linux AIO, two O_DIRECT reads in flight per thread),
-        # "wcd-aio4" and "wcd-preadv" (today's read loop) went with that code (b2a9445). Rounds before
-        # 2026-12-03's thirteenth ran the names as bench_load.py defined them at the time (git log).
-        sweep_bytes = int(os.environ.get("BENCH_SWEEP_BYTES", 4 << 20))
-        sweep = {"wcd.arenas.cuda.COLD_READ_BYTES": sweep_bytes + 4096, "wcd.checkpoint.CHUNK_BYTES": sweep_bytes}
-        whole = {"wcd.arenas.cuda.DIRECT_READ_BYTES": 0}
-        variants: dict[str, tuple[str | None, dict[str, int]] | tuple[str, dict[str, int], str]] = {
-            "wcd": (None, {}), "wcd-buffered": ("buffered", {}), "wcd-direct": ("direct", whole),
-            "wcd-direct-tiled-1m": ("direct", {"wcd.arenas.cuda.DIRECT_READ_BYTES": 1 << 20}),
-            "wcd-direct-tiled-24": ("direct", {}, "load_workers = 24"),
-            "wcd-direct-512k": ("direct", {**whole, "wcd.arenas.cuda.COLD_READ_BYTES": 512 << 10}),
-            "wcd-sweep": ("buffered", sweep), "wcd-direct-sweep": ("direct", {**whole, **sweep}),
-            "wcd-noahead": ("buffered", {"wcd.loader.READ_AHEAD_BYTES": 0}),
-            "wcd-chunk16": ("buffered", {"wcd.checkpoint.CHUNK_BYTES": 16 << 20}),
-            "wcd-sync": (None, {"wcd.arenas.cuda.QUERY_FIRST": 0}),
-            "wcd-ahead128": (None, {"wcd.loader.READ_AHEAD_BYTES": 128 << 20})}
-        daemons = {name: Daemon(Path(tmp) / name, args.device, *variant)
-                   for name, variant in variants.items() if name in loaders}
+        daemons = {name: wcd_daemon(Path(tmp), v, args.device, args.log_level)
+                   for name, v in variants.items() if name in loaders}
         try:
             for gb, tensors in specs:
                 d = args.dir / f"{gb:g}gb-{tensors}"
@@ -383,7 +302,7 @@ def main() -> int:
                     reps = args.reps if mode == "warm" else 1
                     if mode == "cold":
                         prepare()
-                        # As many readers as a load's threads, and 8 (the figure before 2026-12-01).
+                        # As many readers as a load's threads, and 8.
                         row["direct_read_GBps"] = direct_read(files, default_workers()) / 1e9
                         prepare()
                         row["direct_read_8_GBps"] = direct_read(files, 8) / 1e9
@@ -393,7 +312,7 @@ def main() -> int:
                             prepare()
                             best = min(best, plain_memfd_copy(files, default_workers()))
                         row["plain_memfd_copy_GBps"] = nbytes / best / 1e9
-                    elif mode == "warm" and "h2d" not in result:
+                    elif mode == "warm" and "pinned_h2d_GBps" not in result:
                         result["pinned_h2d_GBps"] = pinned_h2d(args.device) / 1e9
                     # Warm: each loader's reps back to back. Cold: round after round, the loaders' order
                     # rotated each round (the hypervisor may keep what the guest dropped: a loader right
@@ -414,13 +333,14 @@ def main() -> int:
                             verify: dict[str, object] | None = \
                                 {} if loader == "wcd" and mode == "warm" and i == 0 else None
                             try:
-                                times[loader].append(daemons[loader].load(d, args.device, f"b{len(runs)}-{i}", verify))
+                                seconds, disk_seen = wcd_load(daemons[loader], d, args.device, f"b{len(runs)}-{i}",
+                                                              verify)
                             except RuntimeError as e:  # one variant failing leaves the others' rounds
                                 row[loader] = {"error": str(e)[:300]}
                                 print(json.dumps({"mode": mode, "round": i, "loader": loader, **row[loader]}),
                                       flush=True)
                                 continue
-                            disk_seen = daemons[loader].last_disk
+                            times[loader].append(seconds)
                             if verify:
                                 row["wcd_verify"] = {**verify, "GBps_each_side": nbytes / verify["seconds"] / 1e9}  # type: ignore[operator]
                         else:
@@ -443,19 +363,51 @@ def main() -> int:
                                            "GBps": nbytes / min(got_times) / 1e9,
                                            "median_seconds": statistics.median(got_times),
                                            "first_seconds": got_times[0], "all_seconds": got_times}
-                        shown = {k: row[k] for k in ("gb", "tensors", "mode", loader) if k in row}
-                        print(json.dumps(shown), flush=True)
                     runs.append(row)
-                    print(json.dumps(row), flush=True)
+                    common.write_json(args.json, result)
         finally:
             for name, daemon in daemons.items():
                 daemon.stop()
-                if args.daemon_log:  # wcd's there, wcd-direct's beside it (NAME.wcd-direct.log)
+                if args.daemon_log:  # the default's there, wcd-NAME's beside it (LOG.wcd-NAME.log)
                     log = args.daemon_log if name == "wcd" else args.daemon_log.with_suffix(f".{name}.log")
-                    log.write_bytes((Path(tmp) / name / "daemon.log").read_bytes())
-            if args.out:  # also what was measured before an interruption
-                args.out.write_text(json.dumps(result, indent=1))
+                    log.write_bytes(daemon.log_path.read_bytes())
+            common.write_json(args.json, result)  # also what was measured before an interruption
+    print("\n".join(summary(result)))
     return 0
+
+
+def summary(result: dict[str, Any], title: str = "") -> list[str]:
+    """A line per checkpoint and cache state: each loader's best seconds (with the median and the
+    first of several), the ceilings; per cold row, a line per loader with the disk's rate while
+    busy, its mean request and queue (medians over the rounds)."""
+    lines = [f"{title or 'load'}: {result.get('device', '?')}, {result.get('revision', '?')}, {result.get('date', '?')}"
+             + (f"; pinned H2D {result['pinned_h2d_GBps']:.1f} GB/s" if "pinned_h2d_GBps" in result else "")]
+    for row in result["runs"]:
+        parts = [f"{row['gb']:.1f} GB/{row['tensors']} {row['mode']}:"]
+        for key, value in row.items():
+            if isinstance(value, dict) and "seconds" in value and key != "wcd_verify":
+                several = len(value.get("all_seconds", [])) > 1
+                extra = (f" (median {value['median_seconds']:.3f}, first {value['first_seconds']:.3f})"
+                         if several else "")
+                parts.append(f"{key} {value['seconds']:.3f}{extra}")
+            elif isinstance(value, dict) and "error" in value:
+                parts.append(f"{key} error: {value['error'][:80]}")
+            elif key.endswith("GBps"):
+                parts.append(f"{key} {value:.2f}")
+        verify = row.get("wcd_verify")
+        if isinstance(verify, dict):
+            parts.append(f"verify {verify['seconds']:.3f} s match={verify['match']}")
+        lines.append(" ".join(parts))
+        seen: dict[str, list[dict[str, float]]] = {}
+        for d in row.get("disk", []):
+            if d.get("busy_s"):
+                seen.setdefault(d["loader"], []).append(d)
+        for loader, ds in seen.items():
+            lines.append(f"  {loader}: disk {statistics.median(d['MB'] / 1e3 / d['busy_s'] for d in ds):.2f} GB/s "
+                         f"while busy ({statistics.median(d['busy_of_wall'] for d in ds):.0%} of the clock), "
+                         f"{statistics.median(d['KiB_per_read'] for d in ds):.0f} KiB per request, "
+                         f"queue {statistics.median(d['mean_queue'] for d in ds):.1f} ({len(ds)} loads)")
+    return lines
 
 
 if __name__ == "__main__":

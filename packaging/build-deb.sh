@@ -62,7 +62,7 @@ SRC="$WORK/wcd-$UPSTREAM"
 rm -rf "$WORK"
 mkdir -p "$SRC"
 tar -C "$ROOT" --exclude=__pycache__ --exclude='*.pyc' --exclude='*.egg-info' \
-  -cf - pyproject.toml README.md wcd systemd | tar -C "$SRC" -xf -
+  -cf - pyproject.toml README.md wcd systemd packaging/grafana | tar -C "$SRC" -xf -
 cp -a "$PKG/debian" "$SRC/debian"
 
 # --- wheels, checked against the hashes in packaging/locks -----------------------------------------

@@ -45,7 +45,7 @@ def park(entry: Entry) -> None:
     record = life(entry)
     if not systemd.store_enabled() or record.parked or entry.arena is None:
         return
-    arena_name, record_name = parking.fd_names(entry.key)
+    arena_name, record_name = parking.fd_names(entry.key, entry.publisher)
     try:
         fd = parking.record_memfd(entry)
         try:
@@ -65,7 +65,7 @@ def unpark(entry: Entry) -> None:
     record = life(entry)
     if record.parked:
         record.parked = False
-        for name in parking.fd_names(entry.key):
+        for name in parking.fd_names(entry.key, entry.publisher):
             unstore(name)
 
 

@@ -10,13 +10,23 @@ never touches. Operations that free memory return the entries they dropped; the 
   (a client fills it under a fill lease) -> `ready` -> `evicting` (asked to go while leased;
   dropped when the last lease ends).
 - A lease lives until released, expired (no heartbeat within the TTL) or its owner (the
-  connection) goes away. A fill lease that ends before commit drops its entry at once.
+  connection) goes away. A fill lease that ends before commit drops its entry at once. A uid
+  holds at most `max_leases_per_uid` (the daemon's own holds are not counted), and leases are
+  listed a page at a time (`leases_page`) and expired a batch at a time (`expire`).
 - `ephemeral` entries are dropped when their last read lease ends.
 - A fill lease's TTL starts when its holder is told its id (`handed_out`), not when the arena
   allocation it waits for begins: a large allocation cannot expire it unseen.
 - Every entry carries its publisher's uid (the daemon's for its own loads). Only admins evict
   what they did not publish, and pin.
-- At most `max_entries` entries: each holds a descriptor, whatever its size.
+- A key is scoped by its publisher: entries of one key from different uids never collide, so no
+  uid can squat another's key. A lookup by key takes the first of the publishers its asker
+  trusts, in the asker's order (its own uid, the daemon's, `trusted_publishers`).
+- At most `max_entries` entries (each holds a descriptor, whatever its size): a new one evicts the
+  least recently used unleased entry when the daemon is full. A uid publishes at most
+  `max_entries_per_uid` of them.
+- A load that ends without an entry leaves a `Failure` under its name (shown as state `failed`,
+  with its reason and when) until the name is admitted again, a reload drops it, or it is evicted.
+  Failures hold no memory; at most `max_entries` of them are kept, the oldest going first.
 - Generations: a published entry may be generation N of a *series* (`Series`: a name, its
   publisher, one layout). Reserving generation N+1 while N is served is how weights change under
   running engines; its commit makes it `current` atomically. The generations that are not current
@@ -36,29 +46,34 @@ import heapq
 import itertools
 import math
 import time
-from collections.abc import Callable, Hashable, Iterable
+from collections import Counter
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Literal
 
-from wcd.config import format_size
 from wcd.errors import BadRequest, Busy, KeyMismatch, LeaseExpired, NotFound, OutOfMemory, PermissionDenied
 from wcd.key import WeightCacheKey
 from wcd.manifest import Manifest
+from wcd.units import format_size
+from wcd.wire import Retention
 
 State = Literal["loading", "filling", "ready", "previous", "evicting"]
-Retention = Literal["pinned", "cached", "ephemeral"]
 LeaseKind = Literal["read", "fill"]
 Origin = Literal["config", "load", "publish"]
 
 DEFAULT_MAX_ENTRIES = 4096
 DEFAULT_KEEP_GENERATIONS = 1
 SERVED = ("ready", "previous")  # states whose bytes are complete and may be read
+DEFAULT_MAX_ENTRIES_PER_UID = 256
+DEFAULT_MAX_LEASES_PER_UID = 4096
 NEAR_MISS_CANDIDATES = 16  # entries of the same model a key_mismatch compares the key with
 
 
 @dataclass(eq=False)
-class Lease:
+class LeaseRecord:
+    """The daemon's record of one lease (an engine holds its side as `wcd.client.Lease`)."""
+
     id: int
     entry: Entry
     kind: LeaseKind
@@ -67,6 +82,7 @@ class Lease:
     uid: int
     expires_at: float
     queued_at: float = math.inf  # the deadline its place in the expiry heap was taken for
+    held_by_daemon: bool = False  # the daemon's own hold (a verify): no heartbeats, no uid's quota
 
 
 @dataclass(eq=False)
@@ -80,13 +96,22 @@ class Entry:
     state: State
     created_at: float
     last_used: float
-    leases: dict[int, Lease] = field(default_factory=dict)
+    leases: dict[int, LeaseRecord] = field(default_factory=dict)
     arena: Any = None  # opaque to the cache: the arena residency allocated
     life: Any = None  # opaque to the cache: residency's record of what this entry owns (`wcd.life`)
     done_bytes: int = 0  # load progress
+    # While loading: "allocating" (the arena), "reading" (the checkpoint into it) or "checking" (a
+    # copy kept across a restart); set by `wcd.residency`, shown in status and metrics.
+    load_phase: str = ""
+    reading_since: float | None = None  # time.monotonic() when the reading began: rate and time left
+    evicted_why: str = ""  # evicted while leased or loading: by whom (said when it goes)
+    previous: str = ""  # when and why the last entry of this name went, if one did (`note_reclaimed`)
     acquires: int = 0
     notes: list[str] = field(default_factory=list)  # shown in status, e.g. "checkpoint missing"
     publisher: int | None = None  # uid whose bytes these are: the daemon's for its loads
+    # The uid whose `load` of a path made the entry (an admin's, perhaps not the daemon's): its bytes
+    # are what that uid pointed the daemon at. None for configured models and publishes.
+    asked_by: int | None = None
     # Re-adopted after a restart, until checked: the tensor count its record gives (status shows
     # it meanwhile; the manifest is an empty stand-in until the record's is validated).
     recorded_tensors: int | None = None
@@ -114,15 +139,51 @@ class Entry:
             "retention": self.retention,
             "origin": self.origin,
             "publisher_uid": self.publisher,
+            "asked_by": self.asked_by,
             "tensors": len(self.manifest) if self.recorded_tensors is None else self.recorded_tensors,
-            "progress": {"done": self.done_bytes, "total": self.manifest.nbytes},
+            "progress": self._progress(),
             "acquires": self.acquires,
             "notes": self.notes,
             "last_used": datetime.fromtimestamp(time.time() - idle_s, timezone.utc).isoformat(timespec="seconds"),
             "idle_s": round(idle_s, 3),
             "key": self.key.model_dump(),
+            "previous": self.previous,
             **({"series": self.series.name, "generation": self.generation,
                 "current": self.series.current == self.generation} if self.series is not None else {}),
+        }
+
+    def _progress(self) -> dict[str, Any]:
+        """Bytes done of the total; while loading, the phase, and once reading, bytes/s and seconds left."""
+        done, total = self.done_bytes, self.manifest.nbytes
+        progress: dict[str, Any] = {"done": done, "total": total, "phase": self.load_phase}
+        if self.load_phase == "reading" and self.reading_since is not None:
+            elapsed = time.monotonic() - self.reading_since
+            rate = done / elapsed if elapsed > 0 else 0.0
+            progress["rate"] = round(rate)
+            progress["eta_s"] = round((total - done) / rate, 1) if rate > 0 else None
+        return progress
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """A load that ended without an entry: what an operator sees in its place (`describe`)."""
+
+    name: str
+    reason: str  # one line
+    at: float  # wall clock
+    origin: Origin
+    device: str
+    path: str
+
+    def describe(self) -> dict[str, Any]:
+        """The same fields as `Entry.describe`, state `failed`, with `reason` and `failed_at`."""
+        when = datetime.fromtimestamp(self.at, timezone.utc).isoformat(timespec="seconds")
+        return {
+            "name": self.name, "state": "failed", "bytes": 0, "device": self.device, "leases": 0,
+            "retention": None, "origin": self.origin, "publisher_uid": None, "tensors": 0,
+            "progress": {"done": 0, "total": 0}, "acquires": 0, "notes": [f"failed: {self.reason}"],
+            "last_used": when, "idle_s": round(max(0.0, time.time() - self.at), 3), "key": {},
+            "reason": self.reason, "failed_at": when, "path": self.path,
         }
 
 
@@ -147,6 +208,8 @@ class Series:
 class Cache:
     def __init__(self, budgets: dict[str, int], lease_ttl_s: float,
                  clock: Callable[[], float] = time.monotonic, max_entries: int = DEFAULT_MAX_ENTRIES,
+                 max_entries_per_uid: int = DEFAULT_MAX_ENTRIES_PER_UID,
+                 max_leases_per_uid: int = DEFAULT_MAX_LEASES_PER_UID,
                  keep_generations: int = DEFAULT_KEEP_GENERATIONS) -> None:
         self.budgets = dict(budgets)
         self.keep_generations = keep_generations
@@ -154,15 +217,24 @@ class Cache:
         self.lease_ttl_s = lease_ttl_s
         self.clock = clock
         self.max_entries = max_entries
+        self.max_entries_per_uid = max_entries_per_uid
+        self.max_leases_per_uid = max_leases_per_uid
+        # Bytes of a device that entries no longer hold but other processes still map (arenas
+        # reclaimed after their leases ended, whose views were kept): the residency sets it.
+        self.outside: Callable[[str], int] = lambda device: 0
         self.entries: dict[str, Entry] = {}
-        self.leases: dict[int, Lease] = {}
+        self.leases: dict[int, LeaseRecord] = {}
         self._ids = itertools.count(1)
-        self.stats = {"lease_expiries": 0, "evictions": 0}
+        self.stats = {"lease_expiries": 0, "evictions": 0, "load_failures": 0}
+        self.failures: dict[str, Failure] = {}  # by name, oldest first
+        self._reclaimed: dict[str, str] = {}  # name -> when and why its last entry went, oldest first
         # Indexes over `entries` and `leases`, kept by the methods below (nothing else mutates them):
-        self._by_key: dict[WeightCacheKey, Entry] = {}
+        self._by_key: dict[WeightCacheKey, dict[int | None, Entry]] = {}  # key -> publisher uid -> entry
+        self._published: Counter[int | None] = Counter()  # published entries per publisher uid
         self._by_model: dict[str, dict[str, Entry]] = {}  # model -> entry name -> entry
         self._used: dict[str, int] = dict.fromkeys(self.budgets, 0)
-        self._by_owner: dict[Hashable, dict[int, Lease]] = {}
+        self._by_owner: dict[Hashable, dict[int, LeaseRecord]] = {}
+        self._by_uid: dict[int, dict[int, LeaseRecord]] = {}  # peers' leases (not the daemon's holds), in id order
         # (deadline, lease id), one per finite lease; a heartbeat moves the deadline later without
         # touching the heap, and expire() re-queues such leases when their old deadline comes up.
         self._deadlines: list[tuple[float, int]] = []
@@ -172,22 +244,54 @@ class Cache:
     def used(self, device: str) -> int:
         return self._used.get(device, 0)
 
-    def by_key(self, key: WeightCacheKey) -> Entry | None:
-        return self._by_key.get(key)
+    def by_key(self, key: WeightCacheKey, publishers: Iterable[int | None]) -> Entry | None:
+        """The entry with `key` from the first of `publishers` that has one."""
+        found = self._by_key.get(key)
+        if found:
+            for uid in publishers:
+                entry = found.get(uid)
+                if entry is not None:
+                    return entry
+        return None
 
     def leases_of(self, owner: Hashable) -> int:
         return len(self._by_owner.get(owner, ()))
 
-    def find(self, target: str | WeightCacheKey) -> Entry:
-        """The entry named `target`, or whose key equals it. A near miss reports the differing fields."""
+    def leases_page(self, uid: int | None, after: int, limit: int) -> tuple[list[LeaseRecord], int | None]:
+        """Up to `limit` leases with ids above `after`, in id order: every lease (`uid` None), or
+        the peer leases of `uid`. Returns them and the cursor for the next page (None at the end).
+        Ids grow, so the dicts hold leases in id order; skipping to the cursor costs a C-level
+        step per lease before it, nothing per lease after the page."""
+        held = self.leases if uid is None else self._by_uid.get(uid, {})
+        page = list(itertools.islice(itertools.dropwhile(after.__ge__, held), limit + 1))
+        more = len(page) > limit
+        del page[limit:]
+        return [held[i] for i in page], (page[-1] if more else None)
+
+    def find(self, target: str | WeightCacheKey, publishers: Sequence[int | None] = ()) -> Entry:
+        """The entry named `target`, or whose key equals it from the first of `publishers` (whom the
+        asker trusts, in order) that has one. A near miss reports the differing fields."""
         if isinstance(target, str):
             entry = self.entries.get(target)
+            if entry is None and target in self.failures:
+                failure = self.failures[target]
+                raise NotFound(f"{target!r} failed to load at {failure.describe()['failed_at']}: {failure.reason} "
+                               "(wcdctl status shows it; fix it, then reload the daemon or wcdctl load it)",
+                               {"name": target, "state": "failed", "reason": failure.reason})
             if entry is None:
                 raise NotFound(f"no entry named {target!r} (wcdctl list shows what is resident)", {"name": target})
             return entry
-        entry = self.by_key(target)
+        entry = self.by_key(target, publishers)
         if entry is not None:
             return entry
+        others = self._by_key.get(target)
+        if others:
+            uids = sorted(others, key=str)[:8]
+            raise NotFound(
+                f"no entry of model {target.model!r} with this key from a publisher trusted here (uids "
+                f"{', '.join(map(str, publishers))}); published by uid {', '.join(map(str, uids))}: "
+                "acquire it by name if you mean to, or have the daemon list its uid in trusted_publishers",
+                {"model": target.model, "publishers": uids})
         # A bounded sample: a peer may ask thousands of near misses against thousands of entries.
         same_model = list(itertools.islice(self._by_model.get(target.model, {}).values(), NEAR_MISS_CANDIDATES))
         if not same_model:
@@ -215,20 +319,26 @@ class Cache:
         """
         if name in self.entries:
             raise Busy(f"an entry named {name!r} already exists ({self.entries[name].state})", {"name": name})
-        if len(self.entries) >= self.max_entries:
-            raise Busy(f"the daemon holds {len(self.entries)} entries, its max_entries: evict some (wcdctl evict) "
-                       "or raise max_entries in the daemon's config", {"limit": "max_entries"})
-        if self.by_key(key) is not None:
-            raise Busy(f"an entry with this key already exists: {self.by_key(key).name!r}")  # type: ignore[union-attr]
+        taken = self.by_key(key, (publisher,))
+        if taken is not None:
+            raise Busy(f"uid {publisher} already has an entry with this key: {taken.name!r}", {"name": taken.name})
+        if origin == "publish" and self._published[publisher] >= self.max_entries_per_uid:
+            raise Busy(f"uid {publisher} has published {self._published[publisher]} entries, the daemon's "
+                       "max_entries_per_uid: evict some of them (wcdctl evict) first", {"limit": "max_entries_per_uid"})
         device = key.device
         if device not in self.budgets:
             raise BadRequest(f"device {device!r} is not managed by this daemon (devices: {', '.join(self.budgets)})")
         victims = self._make_room(device, nbytes)
+        victims += self._make_count_room(victims)
         now = self.clock()
         state: State = "filling" if origin == "publish" and not adopted else "loading"
         entry = Entry(name, key, manifest, nbytes, retention, origin, state, now, now, publisher=publisher)
+        self.failures.pop(name, None)  # tried again
+        entry.previous = self._reclaimed.pop(name, "")
         self.entries[name] = entry
-        self._by_key[key] = entry
+        self._by_key.setdefault(key, {})[publisher] = entry
+        if origin == "publish":
+            self._published[publisher] += 1
         self._by_model.setdefault(key.model, {})[name] = entry
         self._used[device] = self._used.get(device, 0) + nbytes
         for v in victims:
@@ -238,14 +348,11 @@ class Cache:
 
     def _make_room(self, device: str, nbytes: int) -> list[Entry]:
         budget = self.budgets[device]
-        free = budget - self.used(device)
+        outside = self.outside(device)
+        free = budget - self.used(device) - outside
         if nbytes <= free:
             return []
-        candidates = sorted(
-            (e for e in self.entries.values()
-             if e.device == device and e.state in SERVED and e.retention != "pinned" and not e.leases),
-            key=lambda e: e.last_used,
-        )
+        candidates = sorted((e for e in self._evictable() if e.device == device), key=lambda e: e.last_used)
         victims = []
         for e in candidates:
             if free >= nbytes:
@@ -254,13 +361,35 @@ class Cache:
             free += e.nbytes
         if free < nbytes:
             held = self.used(device) - sum(e.nbytes for e in candidates)
+            details = {"device": device, "need": nbytes, "budget": budget, "held": held}
+            kept = ""
+            if outside:
+                details["outside"] = outside
+                kept = (f", {format_size(outside)} by processes still mapping entries that are gone (views kept "
+                        "after their leases ended: those engines must drop them or exit)")
             raise OutOfMemory(
                 f"{format_size(nbytes)} does not fit on {device}: budget {format_size(budget)}, "
-                f"{format_size(held)} held by pinned, leased or loading entries; "
-                "evict something (wcdctl evict) or raise the budget",
-                {"device": device, "need": nbytes, "budget": budget, "held": held},
-            )
+                f"{format_size(held)} held by pinned, leased or loading entries{kept}; "
+                "evict something (wcdctl evict) or raise the budget", details)
         return victims
+
+    def _make_count_room(self, victims: list[Entry]) -> list[Entry]:
+        """One more entry than the daemon holds after `victims` go would pass `max_entries`: the
+        least recently used evictable entry of any device and publisher goes too, or `Busy`.
+        (A scan of the entries, only while the daemon is full.)"""
+        if len(self.entries) - len(victims) < self.max_entries:
+            return []
+        going = set(map(id, victims))
+        lru = min((e for e in self._evictable() if id(e) not in going), key=lambda e: e.last_used, default=None)
+        if lru is None:
+            raise Busy(f"the daemon holds {len(self.entries)} entries, its max_entries, and each is pinned, leased "
+                       "or loading: release or evict some (wcdctl evict) or raise max_entries in the daemon's "
+                       "config", {"limit": "max_entries"})
+        return [lru]
+
+    def _evictable(self) -> Iterator[Entry]:
+        """Entries that may go to make room: ready, not pinned, unleased."""
+        return (e for e in self.entries.values() if e.state in SERVED and e.retention != "pinned" and not e.leases)
 
     def check_evict(self, entry: Entry, uid: int, admin: bool) -> None:
         """`PermissionDenied` unless the peer may evict `entry`: admins any, others only what they published."""
@@ -283,7 +412,14 @@ class Cache:
         for lease in list(entry.leases.values()):
             self._forget(lease)
         del self.entries[entry.name]
-        del self._by_key[entry.key]
+        same_key = self._by_key[entry.key]
+        del same_key[entry.publisher]
+        if not same_key:
+            del self._by_key[entry.key]
+        if entry.origin == "publish":
+            self._published[entry.publisher] -= 1
+            if not self._published[entry.publisher]:
+                del self._published[entry.publisher]
         same_model = self._by_model[entry.key.model]
         del same_model[entry.name]
         if not same_model:
@@ -311,6 +447,29 @@ class Cache:
     def load_failed(self, entry: Entry) -> list[Entry]:
         return [self._drop(entry)] if entry.name in self.entries and self.entries[entry.name] is entry else []
 
+    def fail(self, name: str, reason: str, origin: Origin, device: str, path: str) -> Failure:
+        """Note that loading `name` ended without an entry (its entry, if admitted, is dropped by
+        `load_failed`). Replaces an older failure of that name."""
+        self.failures.pop(name, None)
+        while len(self.failures) >= self.max_entries:
+            del self.failures[next(iter(self.failures))]
+        failure = self.failures[name] = Failure(name, reason, time.time(), origin, device, path)
+        self.stats["load_failures"] += 1
+        return failure
+
+    def note_reclaimed(self, name: str, why: str) -> None:
+        """Remember why the entry `name` went, for the next entry of that name (`Entry.previous`:
+        why a model was loaded again). At most `max_entries` names are remembered."""
+        self._reclaimed.pop(name, None)
+        while len(self._reclaimed) >= self.max_entries:
+            del self._reclaimed[next(iter(self._reclaimed))]
+        when = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        self._reclaimed[name] = f"{when}: {why}"
+
+    def forget_failure(self, name: str) -> Failure | None:
+        """Drop the failure noted under `name` (evicted by an operator, or its model left the config)."""
+        return self.failures.pop(name, None)
+
     def cancel_loads(self) -> None:
         """Mark every loading entry `evicting`, so its loader stops at the next chunk (shutdown)."""
         for entry in self.entries.values():
@@ -319,23 +478,27 @@ class Cache:
 
     # -- leases -----------------------------------------------------------------------------
 
-    def acquire(self, entry: Entry, owner: Hashable, pid: int = 0, uid: int = 0, ttl_s: float | None = None) -> Lease:
-        """A read lease; `ttl_s` overrides the heartbeat TTL (the daemon's own holds use infinity)."""
+    def acquire(self, entry: Entry, owner: Hashable, pid: int = 0, uid: int = 0,
+                ttl_s: float | None = None) -> LeaseRecord:
+        """A read lease; `ttl_s` makes it the daemon's own hold, with that TTL (infinity: no
+        heartbeats) and counted against no uid's max_leases_per_uid."""
         if entry.state not in SERVED:
             raise Busy(f"entry {entry.name!r} is {entry.state}", {"name": entry.name, "state": entry.state})
+        lease = self._new_lease(entry, "read", owner, pid, uid, ttl_s)
         entry.acquires += 1
-        return self._new_lease(entry, "read", owner, pid, uid, ttl_s)
+        return lease
 
     def reserve(
         self, name: str, key: WeightCacheKey, manifest: Manifest, nbytes: int, retention: Retention,
         owner: Hashable, pid: int = 0, uid: int = 0, series: str | None = None, admin: bool = False,
-    ) -> tuple[Entry, Lease, list[Entry]]:
+    ) -> tuple[Entry, LeaseRecord, list[Entry]]:
         """Admit a published entry with a fill lease whose TTL starts at `handed_out`. With `series`,
         the entry is that series' next generation (named `series@N`, its key marked with both),
         under the rules of the module docstring."""
+        self._lease_room(uid)
         if series is None:
             entry, victims = self.admit(name, key, manifest, nbytes, retention, "publish", publisher=uid)
-            return entry, self._new_lease(entry, "fill", owner, pid, uid, math.inf), victims
+            return entry, self._new_lease(entry, "fill", owner, pid, uid, held_until=math.inf), victims
         known = self.series.get(series)
         layout = manifest.layout()
         if known is not None:
@@ -354,7 +517,7 @@ class Cache:
         entry, victims = self.admit(f"{series}@{generation}", key, manifest, nbytes, retention, "publish",
                                     publisher=uid)
         self._join(entry, known or Series(series, uid, layout), generation)
-        return entry, self._new_lease(entry, "fill", owner, pid, uid, math.inf), victims
+        return entry, self._new_lease(entry, "fill", owner, pid, uid, held_until=math.inf), victims
 
     def _join(self, entry: Entry, series: Series, generation: int) -> None:
         self.series.setdefault(series.name, series)
@@ -443,28 +606,41 @@ class Cache:
             series.generations[g].state = "previous"
         return dropped
 
-    def handed_out(self, lease: Lease) -> None:
+    def handed_out(self, lease: LeaseRecord) -> None:
         """Its holder is being told the lease's id: the heartbeat TTL runs from now."""
         lease.expires_at = self.clock() + self.lease_ttl_s
         self._queue(lease)
 
     def _new_lease(self, entry: Entry, kind: LeaseKind, owner: Hashable, pid: int, uid: int,
-                   ttl_s: float | None = None) -> Lease:
+                   ttl_s: float | None = None, held_until: float | None = None) -> LeaseRecord:
+        """A peer's lease (its TTL the heartbeat's, or `held_until` for a fill lease until it is
+        handed out), or with `ttl_s` the daemon's own hold."""
+        if ttl_s is None:
+            self._lease_room(uid)
         now = self.clock()
-        lease = Lease(next(self._ids), entry, kind, owner, pid, uid, now + (ttl_s or self.lease_ttl_s))
+        expires = held_until if held_until is not None else now + (ttl_s or self.lease_ttl_s)
+        lease = LeaseRecord(next(self._ids), entry, kind, owner, pid, uid, expires, held_by_daemon=ttl_s is not None)
         entry.leases[lease.id] = lease
         entry.last_used = now
         self.leases[lease.id] = lease
         self._by_owner.setdefault(owner, {})[lease.id] = lease
+        if not lease.held_by_daemon:
+            self._by_uid.setdefault(uid, {})[lease.id] = lease
         self._queue(lease)
         return lease
 
-    def _queue(self, lease: Lease) -> None:
+    def _lease_room(self, uid: int) -> None:
+        held = len(self._by_uid.get(uid, ()))
+        if held >= self.max_leases_per_uid:
+            raise Busy(f"uid {uid} holds {held} leases, the daemon's max_leases_per_uid: release leases it does "
+                       "not use (or close the connections holding them)", {"limit": "max_leases_per_uid"})
+
+    def _queue(self, lease: LeaseRecord) -> None:
         if math.isfinite(lease.expires_at):  # the daemon's own holds never expire
             lease.queued_at = lease.expires_at
             heapq.heappush(self._deadlines, (lease.expires_at, lease.id))
 
-    def _forget(self, lease: Lease) -> None:
+    def _forget(self, lease: LeaseRecord) -> None:
         """Remove a lease from every index (its heap place goes stale and is skipped)."""
         del self.leases[lease.id]
         del lease.entry.leases[lease.id]
@@ -472,8 +648,13 @@ class Cache:
         del owned[lease.id]
         if not owned:
             del self._by_owner[lease.owner]
+        if not lease.held_by_daemon:
+            of_uid = self._by_uid[lease.uid]
+            del of_uid[lease.id]
+            if not of_uid:
+                del self._by_uid[lease.uid]
 
-    def _owned(self, owner: Hashable, lease_id: int) -> Lease:
+    def _owned(self, owner: Hashable, lease_id: int) -> LeaseRecord:
         lease = self.leases.get(lease_id)
         if lease is None or lease.owner != owner:
             raise LeaseExpired(f"lease {lease_id} is not held by this connection (expired or released)",
@@ -521,7 +702,7 @@ class Cache:
             raise BadRequest(f"lease {lease_id} is a read lease: release it instead")
         return self._end(lease)
 
-    def _end(self, lease: Lease) -> list[Entry]:
+    def _end(self, lease: LeaseRecord) -> list[Entry]:
         entry = lease.entry
         self._forget(lease)
         entry.last_used = self.clock()
@@ -534,12 +715,14 @@ class Cache:
             return [self._drop(entry)]
         return []
 
-    def expire(self) -> tuple[list[Lease], list[Entry]]:
-        """End every lease past its deadline. Returns (expired leases, dropped entries)."""
+    def expire(self, limit: int | None = None) -> tuple[list[LeaseRecord], list[Entry]]:
+        """End leases past their deadline, at most `limit` of them (the caller lets others run
+        between batches and asks again while a batch comes back full). Returns (expired leases,
+        dropped entries)."""
         now = self.clock()
-        expired: list[Lease] = []
+        expired: list[LeaseRecord] = []
         dropped: list[Entry] = []
-        while (lease := self._due(now)) is not None:
+        while (limit is None or len(expired) < limit) and (lease := self._due(now)) is not None:
             if lease.expires_at > now:  # renewed since it was queued
                 self._queue(lease)
                 continue
@@ -548,7 +731,7 @@ class Cache:
         self.stats["lease_expiries"] += len(expired)
         return expired, dropped
 
-    def _due(self, now: float) -> Lease | None:
+    def _due(self, now: float) -> LeaseRecord | None:
         """Pop the next live lease whose queued deadline has come, skipping stale heap places."""
         heap = self._deadlines
         while heap and heap[0][0] <= now:
@@ -572,6 +755,19 @@ class Cache:
             if lease.id in self.leases:  # a fill lease's end drops its entry's other leases
                 dropped += self._end(lease)
         return dropped
+
+
+def describe_expired(expired: list[LeaseRecord], named: int = 3) -> str:
+    """One log line for leases that expired together: how many, and on which entries (by count)."""
+    if len(expired) == 1:
+        lease = expired[0]
+        return f"lease {lease.id} on {lease.entry.name} (pid {lease.pid}, uid {lease.uid}) expired: no heartbeat"
+    per_entry = Counter(lease.entry.name for lease in expired)
+    most = ", ".join(f"{n} on {name}" for name, n in per_entry.most_common(named))
+    rest = f" and {len(per_entry) - named} more entries" if len(per_entry) > named else ""
+    uids = sorted({lease.uid for lease in expired})
+    return (f"{len(expired)} leases expired, no heartbeat: {most}{rest} (uids {', '.join(map(str, uids[:8]))}"
+            f"{', ...' if len(uids) > 8 else ''})")
 
 
 def _plain(v: Any) -> Any:

@@ -24,12 +24,13 @@ import sys
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Collection, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Collection, Iterator, Mapping
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from wcd import __version__, wire
-from wcd.errors import BadRequest, DaemonUnavailable, PermissionDenied, ProtocolError, WcdError, from_wire
-from wcd.manifest import TENSOR_COLUMNS, Manifest
+from wcd.errors import BadReply, BadRequest, DaemonUnavailable, PermissionDenied, ProtocolError, WcdError, from_wire
+from wcd.manifest import TENSOR_COLUMNS, Manifest, has_control
 
 if TYPE_CHECKING:
     import torch
@@ -75,26 +76,36 @@ class Lease:
         """`mapping`: "map" the arena, map it "remappable" (`Follower`), or keep its "fd" unmapped
         (to be mapped in place of another generation: `Follower`)."""
         self.client = client
-        self.id: int = reply["lease"]
-        self.entry: str = reply["entry"]
-        self._key_wire = reply["key"]
-        # Whose bytes these are: the daemon's own loads ("config"/"load") or a publisher's uid.
-        self.origin: str | None = reply.get("origin")
-        self.publisher_uid: int | None = reply.get("publisher_uid")
-        self.manifest = validated_manifest(reply["manifest"])
-        self.arena: dict[str, Any] = reply["arena"]
         self.lost = False  # set when a heartbeat finds the daemon no longer holds this lease
         self.released = False
         self._mapped: MappedArena | None = None
         self._arena_fd: int | None = None
+        try:
+            with _decoding(f"{self.kind} lease reply"):
+                self.id: int = _field(reply, "lease", int)
+            self.entry: str = _entry_name(reply)
+            self._key_wire = reply.get("key")
+            # Whose bytes these are: the daemon's own loads ("config"/"load") or a publisher's uid.
+            self.origin: str | None = reply.get("origin")
+            self.publisher_uid: int | None = reply.get("publisher_uid")
+            self.asked_by: int | None = reply.get("asked_by")  # whose `load` made it (origin "load")
+            with _decoding(f"the manifest of {self.entry!r}"):
+                self.manifest = validated_manifest(reply.get("manifest"))
+                self.arena: dict[str, Any] = _field(reply, "arena", dict)
+        except BaseException:
+            os.close(fd)
+            if hasattr(self, "id"):
+                self.client._end_lease(self, "abort" if self.kind == "fill" else "release")
+            raise
         if mapping == "fd":
             self._arena_fd = fd
             return
         try:
             from wcd.views import map_arena
 
-            self._mapped = map_arena(self.arena, fd, self.manifest, writable=self.kind == "fill",
-                                     remappable=mapping == "remappable")
+            with _decoding(f"the arena of {self.entry!r}"):
+                self._mapped = map_arena(self.arena, fd, self.manifest, writable=self.kind == "fill",
+                                         remappable=mapping == "remappable")
         except BaseException:
             self.client._end_lease(self, "abort" if self.kind == "fill" else "release")
             raise
@@ -105,7 +116,8 @@ class Lease:
         from wcd.key import WeightCacheKey
 
         if not isinstance(self._key_wire, WeightCacheKey):
-            self._key_wire = WeightCacheKey.model_validate(self._key_wire)
+            with _decoding(f"the key of {self.entry!r}"):
+                self._key_wire = WeightCacheKey.model_validate(self._key_wire)
         return self._key_wire
 
     @property
@@ -157,7 +169,7 @@ class FillLease(Lease):
         reply = self.client.request("commit", lease=self.id)
         self.released = True
         self.client._forget(self)
-        return str(reply["entry"])
+        return _entry_name(reply)
 
     def abort(self) -> None:
         if self._mapped is not None:
@@ -504,7 +516,17 @@ class Client:
         return self.request("list")["entries"]
 
     def list_leases(self) -> builtins.list[dict[str, Any]]:
-        return self.request("leases")["leases"]
+        """Every lease the daemon shows this peer (admins: all), asked a page at a time."""
+        leases, after = [], 0
+        while True:
+            page = self.request("leases", after=after)
+            leases += _field(page, "leases", list)
+            cursor = page.get("next")
+            if cursor is None:
+                return leases
+            if type(cursor) is not int or cursor <= after:  # a cursor that does not move on would loop
+                raise BadReply(f"leases reply: cursor {cursor!r:.40} does not follow {after}")
+            after = cursor
 
     def metrics(self) -> str:
         return str(self.request("metrics")["text"])
@@ -526,9 +548,13 @@ class Client:
     def verify(self, target: str | WeightCacheKey) -> dict[str, Any]:
         return self.request("verify", **_target(target))
 
-    def acquire(self, target: str | WeightCacheKey, *, wait: bool = True, timeout_s: float = 3600.0) -> Lease:
-        """A read lease on an entry (by entry name or exact key), waiting while it loads."""
-        reply, fds = self.request_fds("acquire", wait=wait, timeout_s=timeout_s, **_target(target))
+    def acquire(self, target: str | WeightCacheKey, *, wait: bool = True, timeout_s: float = 3600.0,
+                digest: str | None = None) -> Lease:
+        """A read lease on an entry (by entry name or exact key), waiting while it loads. With
+        `digest` (the full content digest `verify` reports) the daemon attaches only an entry
+        holding exactly those bytes (it hashes an entry once, at commit or at the first such ask)."""
+        checked = {} if digest is None else {"digest": digest}
+        reply, fds = self.request_fds("acquire", wait=wait, timeout_s=timeout_s, **_target(target), **checked)
         return self._track(Lease(self, reply, _one_fd(fds)))
 
     def _acquire_generation(self, series: str, generation: int | None, mapping: str) -> Lease:
@@ -794,6 +820,41 @@ def validated_manifest(obj: Any) -> Manifest:
         while len(_MANIFESTS) > _MANIFESTS_KEPT:
             _MANIFESTS.popitem(last=False)
     return manifest
+
+
+@contextmanager
+def _decoding(what: str) -> Iterator[None]:
+    """Whatever goes wrong decoding `what` (part of a reply) is one `BadReply` line: a reply (say,
+    an entry another uid crafted) must never reach an engine as a TypeError or KeyError, which its
+    fallback to loading from disk would not catch. Other `WcdError`s (a missing CUDA backend) pass."""
+    try:
+        yield
+    except BadRequest as e:  # the local checks of a manifest or an arena
+        raise BadReply(f"{what}: {e.message}", e.details) from None
+    except WcdError:
+        raise
+    except Exception as e:
+        detail = next(iter(str(e).splitlines()), "")[:200]
+        raise BadReply(f"{what} is malformed ({type(e).__name__}: {detail}); the entry cannot be used") from None
+
+
+T = TypeVar("T")
+
+
+def _field(reply: dict[str, Any], name: str, kind: type[T]) -> T:
+    value = reply.get(name)
+    if not isinstance(value, kind):
+        raise BadReply(f"reply field {name!r} is {type(value).__name__}, not {kind.__name__}")
+    return value
+
+
+def _entry_name(reply: dict[str, Any]) -> str:
+    """The reply's entry name, refused if it holds control characters (they would forge the
+    engine's log lines and an operator's terminal output)."""
+    name = _field(reply, "entry", str)
+    if has_control(name):
+        raise BadReply(f"the daemon named an entry {name!r:.80}, with control characters: refusing it")
+    return name
 
 
 def _one_fd(fds: list[int]) -> int:

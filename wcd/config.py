@@ -7,9 +7,6 @@ anything or touches devices: fractions like "90%" are resolved later against dev
 
 from __future__ import annotations
 
-import grp
-import os
-import pwd
 import re
 from collections.abc import Collection
 from pathlib import Path
@@ -26,14 +23,14 @@ from pydantic import (
     field_validator,
 )
 
+from wcd import HOST_DEVICE
 from wcd.configfile import CONFIG_DIR, RUN_DIR, instance_config_path, read_toml
 from wcd.errors import ConfigError
-from wcd.key import HOST_DEVICE
+from wcd.peers import group_gids
+from wcd.units import parse_size
+from wcd.wire import Retention
 
-__all__ = ["CONFIG_DIR", "RUN_DIR", "Config", "ModelConfig", "instance_config_path", "load_config", "parse_size"]
-_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9,
-          "T": 10**12, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+__all__ = ["CONFIG_DIR", "RUN_DIR", "Config", "ModelConfig", "instance_config_path", "load_config"]
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 # What a device may be called: host memory, a CUDA ordinal, or a GPU UUID (`wcd.arenas.cudrv.resolve_gpu`).
 _DEVICE = re.compile(r"cpu|cuda(?::\d{1,4})?|GPU-[0-9A-Fa-f-]{1,64}")
@@ -45,57 +42,6 @@ def check_device(name: str) -> str:
     if not _DEVICE.fullmatch(name):
         raise ValueError(f"unknown device {name!r}: use \"cpu\", \"cuda:N\" or a GPU UUID (\"GPU-...\")")
     return name
-
-
-def parse_size(value: int | str, total: int | None = None) -> int:
-    """Bytes from 123, "64GiB", "1.5 TB" or, given the device `total`, a fraction like "90%"."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value < 0:
-            raise ValueError("must not be negative")
-        return value
-    if not isinstance(value, str):
-        raise ValueError(f"expected bytes with a unit (\"64GiB\") or a fraction (\"90%\"), got {value!r}")
-    s = value.strip()
-    if s.endswith("%"):
-        try:
-            pct = float(s[:-1])
-        except ValueError:
-            raise ValueError(f"cannot read fraction {value!r}: use a percentage like \"90%\"") from None
-        if not 0 < pct <= 100:
-            raise ValueError(f"fraction {value!r} must be in (0%, 100%]")
-        if total is None:
-            return -1  # resolved against the device total later
-        return int(total * pct / 100)
-    m = _SIZE.match(s)
-    if not m or m.group(2).upper() not in _UNITS:
-        raise ValueError(f"cannot read size {value!r}: use bytes with a unit like \"64GiB\" or \"500MB\", or \"90%\"")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-
-
-def format_size(n: float) -> str:
-    """Bytes for people, in the unit that fits: "512 B", "25.0 MiB", "3.4 GiB"."""
-    scale, unit = _fitting_unit(n)
-    return f"{n:.0f} {unit}" if unit == "B" else f"{n / scale:.1f} {unit}"
-
-
-def counted(n: int, what: str) -> str:
-    """A count for people: "1 entry", "2 entries", "0 leases"."""
-    many = what[:-1] + "ies" if what.endswith("y") else what + "s"
-    return f"{n} {what if n == 1 else many}"
-
-
-def format_progress(done: int, total: int) -> str:
-    """Load progress for people, both sizes in the unit that fits the total: "45% 63.0/140.0 GiB"."""
-    scale, unit = _fitting_unit(total)
-    digits = 0 if unit == "B" else 1
-    return f"{100 * done // max(total, 1)}% {done / scale:.{digits}f}/{total / scale:.{digits}f} {unit}"
-
-
-def _fitting_unit(n: float) -> tuple[int, str]:
-    for power, unit in enumerate(("B", "KiB", "MiB", "GiB")):
-        if abs(n) < 1024 ** (power + 1):
-            return 1024**power, unit
-    return 1024**4, "TiB"
 
 
 def parse_host_port(value: str) -> tuple[str, int]:
@@ -147,8 +93,8 @@ class DaemonConfig(BaseModel):
     # before the answer: engines could not create a context.
     staging_linger_s: Annotated[float, Field(ge=0)] = 30.0
     # How a GPU load reads files that are not in the page cache: "direct" (O_DIRECT in 512 KiB
-    # reads into pinned buffers, except the parts the page cache holds: 5-15% faster than
-    # buffered on the H200 machines measured; buffered where the file system refuses it, said
+    # reads into pinned buffers, except the parts the page cache holds: faster than buffered on
+    # the GPU hosts measured, bench/RESULTS.md; buffered where the file system refuses it, said
     # once per file system) or "buffered" (through the page cache in 16 MiB reads, read ahead
     # while the load's CUDA context is made, then dropped for files that were not in it at all).
     cold_reads: Literal["buffered", "direct"] = "direct"
@@ -165,6 +111,7 @@ class DaemonConfig(BaseModel):
     max_connections_per_uid: Annotated[int, Field(ge=1, le=65536)] = 512
     hello_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 10.0  # a new connection must say hello by then
     idle_timeout_s: Annotated[float, Field(gt=0, le=7 * 24 * 3600)] = 600.0  # closed if silent, no leases
+    frame_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 10.0  # a request must arrive whole by then
     # Bytes buffered for peers (requests being received, replies not yet read), all and per uid;
     # past a limit the connection holding the most is cut off:
     max_buffer_bytes: BufferBytes = 1 << 30
@@ -177,6 +124,10 @@ class DaemonConfig(BaseModel):
     # Generations of a series kept, besides the current one, for rollback (and to readers still on them).
     keep_generations: Annotated[int, Field(ge=0, le=64)] = 1
     max_watches_per_connection: Annotated[int, Field(ge=1, le=4096)] = 64
+    # Entries one uid may publish (a full daemon evicts its least recently used unleased entry).
+    max_entries_per_uid: Annotated[int, Field(ge=1, le=1 << 20)] = 256
+    # Leases one uid holds (read and fill, over all its connections).
+    max_leases_per_uid: Annotated[int, Field(ge=1, le=1 << 20)] = 4096
 
     @field_validator("budget")
     @classmethod
@@ -202,30 +153,20 @@ class DaemonConfig(BaseModel):
     @field_validator("allowed_groups", "admin_groups")
     @classmethod
     def _groups(cls, v: list[str]) -> list[str]:
-        for name in v:
-            try:
-                grp.getgrnam(name)
-            except KeyError:
-                raise ValueError(f"group {name!r} does not exist on this host") from None
+        try:
+            group_gids(v)
+        except KeyError as e:
+            raise ValueError(f"group {e.args[0]!r} does not exist on this host") from None
         return v
 
     def allowed_gids(self) -> set[int]:
-        return {grp.getgrnam(name).gr_gid for name in self.allowed_groups}
+        return group_gids(self.allowed_groups)
 
     def is_admin(self, uid: int, gids: Collection[int], daemon_uid: int) -> bool:
         """Whether a peer with `uid` in groups `gids` is an admin of a daemon running as `daemon_uid`."""
         if uid in (0, daemon_uid) or uid in self.admin_uids:
             return True
-        return bool(self.admin_groups) and not {grp.getgrnam(n).gr_gid for n in self.admin_groups}.isdisjoint(gids)
-
-
-def peer_gids(uid: int, gid: int) -> set[int]:
-    """A peer's groups: its primary `gid` (from SO_PEERCRED) and its user's groups (an NSS lookup)."""
-    try:
-        user = pwd.getpwuid(uid)
-    except KeyError:
-        return {gid}
-    return {gid, *os.getgrouplist(user.pw_name, user.pw_gid)}
+        return bool(self.admin_groups) and not group_gids(self.admin_groups).isdisjoint(gids)
 
 
 class ModelConfig(BaseModel):
@@ -234,7 +175,7 @@ class ModelConfig(BaseModel):
     name: Annotated[str, Field(pattern=_NAME)]
     path: Path
     device: str = HOST_DEVICE
-    retention: Literal["pinned", "cached", "ephemeral"] = "pinned"
+    retention: Retention = "pinned"
     # Shards that are symbolic links are followed only while they stay inside `path` (openat2
     # RESOLVE_BENEATH); true follows them anywhere (a Hugging Face cache's snapshots/ -> blobs/).
     follow_symlinks: bool = False

@@ -284,6 +284,8 @@ class Connection:
         self.client = ""
         self.closed = False
         self.opened_at = self.last_active = self.loop.time()
+        # When the first byte of the oldest request not yet whole arrived (None: none is arriving).
+        self.frame_since: float | None = None
         self.tasks: set[asyncio.Task[None]] = set()  # its requests in flight, cancelled on close
         self.quotas = quotas
         self._on_message, self._on_close = on_message, on_close
@@ -344,6 +346,8 @@ class Connection:
             return
         self.decoder.feed(data)
         self.last_active = self.loop.time()
+        if self.frame_since is None:
+            self.frame_since = self.last_active
         self._serve()
 
     def _serve(self) -> None:
@@ -362,6 +366,8 @@ class Connection:
                 item = self.decoder.next_message()
                 if item is None:
                     break
+                # What is left began arriving by now (a request trickled in counts from its first byte).
+                self.frame_since = self.loop.time() if self.decoder.buffered else None
                 self._on_message(self, item[0])
                 if time.monotonic() > until:
                     self._serve_later()
@@ -381,6 +387,13 @@ class Connection:
                 # paused, so the flush did not go on; nothing more may arrive to wake this connection.
                 if held and not self._failed and self._out_bytes <= OUTPUT_HIGH_WATER and self.decoder.has_frame():
                     self._serve_later()
+
+    def frame_overdue(self, now: float, limit: float) -> bool:
+        """Whether a request has been arriving for longer than `limit` s and is still not whole
+        (whole ones waiting for their turn do not count, nor a wait while the daemon does not read:
+        the client is not reading its replies)."""
+        return (self.frame_since is not None and now - self.frame_since > limit and self._reading
+                and not self.decoder.has_frame())
 
     def _serve_later(self) -> None:
         if not self._serve_soon and not self.closed:

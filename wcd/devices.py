@@ -12,12 +12,13 @@ import asyncio
 import logging
 
 from wcd.arenas import ArenaBackend, backend_for, device_memory, is_gpu_device
-from wcd.config import Config, format_size, parse_size
+from wcd.config import Config
 from wcd.errors import BadRequest, ConfigError, DeviceUnavailable, WcdError
 from wcd.key import HOST_DEVICE, WeightCacheKey
 from wcd.loader import default_workers
 from wcd.offloop import quiet
 from wcd.state import ServerState
+from wcd.units import format_size, parse_size
 
 log = logging.getLogger("wcd")
 

@@ -85,6 +85,13 @@ class DaemonUnavailable(WcdError):
     code = "daemon_unavailable"
 
 
+class BadReply(WcdError):
+    """Client side only: a reply does not decode as what was asked for (an entry another uid
+    crafted, a daemon of another version). The message says which reply and what was wrong."""
+
+    code = "bad_reply"
+
+
 class ConfigError(WcdError):
     """Local only: the configuration file is wrong. The message names the field."""
 
@@ -107,6 +114,7 @@ _BY_CODE: dict[str, type[WcdError]] = {
         LoadFailed,
         DeviceUnavailable,
         DaemonUnavailable,
+        BadReply,
     )
 }
 

@@ -7,7 +7,7 @@ a few helper processes (`daemon.header_helpers`; started after READY, from the t
 the workers, or by the first parse that needs them) and hands them raw header bytes in batches: a
 helper opens no file and holds no descriptor but its socket and its buffer (a memfd). A header
 larger than a batch is cut into pieces of whole members (`split`), so that one shard of 25,000
-tensors keeps several helpers busy, and the pieces' columns are merged (`checkpoint.merge_columns`).
+tensors keeps several helpers busy, and the pieces' columns are merged (`headers.merge_columns`).
 A helper runs the daemon's own parse and checks (`header_columns`) and sends the columns back as
 msgpack, which the daemon unpacks in a few ms per 25,000 tensors; meanwhile the calling thread
 parses what no busy helper is to take. What a helper
@@ -46,12 +46,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import subprocess
 
-    from wcd.checkpoint import Columns, NameCheck
+    from wcd.headers import Columns, NameCheck
 
 log = logging.getLogger("wcd")
 
 # Batches smaller than this are parsed in the daemon: sending costs more than parsing them
-# (1,000 tensors: 90 KB, 0.7 ms). The pieces' threshold in `checkpoint` is the same size.
+# (1,000 tensors: 90 KB, 0.7 ms). The pieces' threshold in `headers` is the same size.
 MIN_HELPER_BYTES = 256 << 10
 READY_TIMEOUT_S = 10.0
 RETRY_S = 60.0
@@ -60,9 +60,8 @@ MAX_BATCH = 1 << 16  # headers in one batch (a checkpoint has far fewer shards)
 # malloc_trim or not): it is replaced by a fresh one.
 RETIRE_BYTES = 8 << 20
 STALL_S = 5.0  # a send or read that makes no progress for this long fails (and see `answer_within`)
-# Batches of about 1/PIECES_PER_HELPER of an even share each (`target_bytes`). Swept on an H200 host
-# (8 helpers, 100,000 tensors in 4 shards, bench/trace_admit.py): the parse took 61 ms with 2 against
-# 82 with 1 and 68-69 with 3, 4 or 6 (more, smaller answers for the calling thread to unpack).
+# Batches of about 1/PIECES_PER_HELPER of an even share each (`target_bytes`): two keep every helper
+# busy to the end, more leave the calling thread more, smaller answers to unpack (bench/RESULTS.md).
 PIECES_PER_HELPER = 2
 KEEP_BUFFER_BYTES = 4 << 20  # a helper's buffer keeps the pages of batches up to this size
 # The systemd interface stays the daemon's: a helper must not notify, nor think it was activated.
@@ -174,10 +173,10 @@ def batches(sizes: list[int], helpers: int, alone: Container[int] = ()) -> tuple
 
 def split(jobs: Sequence[tuple[bytes, int]], helpers: int) -> tuple[list[tuple[bytes, int]], list[range]]:
     """The jobs with each header of several `target_bytes` cut into that many pieces of consecutive
-    members (`checkpoint.member_pieces`), each parsed as a header of its own: the four 2.5 MB
+    members (`headers.member_pieces`), each parsed as a header of its own: the four 2.5 MB
     headers of a 100,000-tensor checkpoint are 16 jobs for 8 helpers, not 4. Returns the jobs and,
     per header, the range of those that are its pieces (one: the header whole)."""
-    from wcd.checkpoint import member_pieces
+    from wcd.headers import member_pieces
 
     target = target_bytes([len(raw) for raw, _ in jobs], helpers)
     work: list[tuple[bytes, int]] = []
@@ -271,7 +270,7 @@ class HeaderHelpers:
         the names of each piece are added to `names` as it comes, while the helpers parse the rest:
         what the caller does with each header is done by then too. The names of a header that
         comes back None are not in `names`."""
-        from wcd.checkpoint import merge_columns
+        from wcd.headers import merge_columns
 
         work, owners = split(jobs, self.count)
         pieces = {i for r in owners if len(r) > 1 for i in r}
@@ -308,8 +307,8 @@ class HeaderHelpers:
         paused; returns the jobs the helpers read. Jobs go to idle helpers in batches (`batches`),
         a helper's next batch as soon as its answer is read; the calling thread unpacks the answers
         and parses what no helper is to take, from the back while the helpers take from the front."""
-        from wcd.checkpoint import header_columns
         from wcd.gcpause import gc_paused
+        from wcd.headers import header_columns
 
         results: list[Columns | None] = [None] * len(jobs)
         far, near = batches([len(raw) for raw, _ in jobs], self.count, pieces)
@@ -546,7 +545,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 def _serve(sock: socket.socket, buf: int, header_columns: Callable[..., Columns | None]) -> None:
     import gc
 
-    from wcd.checkpoint import MAX_HEADER_BYTES
+    from wcd.headers import MAX_HEADER_BYTES
 
     gc.disable()  # the parse makes no cycles; everything goes by reference counting
     sock.sendall(b"R")
@@ -584,7 +583,7 @@ def _serve(sock: socket.socket, buf: int, header_columns: Callable[..., Columns 
         sock.sendall(b"".join(replies))
 
 
-_STAMPED = ("wcd", "wcd.header_helpers", "wcd.checkpoint", "wcd.manifest")
+_STAMPED = ("wcd", "wcd.header_helpers", "wcd.headers", "wcd.manifest")
 
 
 def code_stamp() -> str:
@@ -611,7 +610,7 @@ def main(stamp: str = "", buf: int = -1) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        from wcd.checkpoint import header_columns
+        from wcd.headers import header_columns
 
         mine = code_stamp()
     except Exception as e:  # noqa: BLE001 - a broken install: one line in the journal, not a traceback

@@ -17,9 +17,10 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from wcd.arenas.base import HOST_DEVICE
-from wcd.checkpoint import MAX_HEADER_BYTES, SAMPLE_BYTES, SAMPLES_PER_FILE, Checkpoint, Shards
+from wcd import HOST_DEVICE
+from wcd.checkpoint import SAMPLE_BYTES, SAMPLES_PER_FILE, Checkpoint, Shards
 from wcd.errors import LoadFailed
+from wcd.headers import MAX_HEADER_BYTES
 
 Text = Annotated[str, StringConstraints(max_length=1024)]
 ShortText = Annotated[str, StringConstraints(max_length=256)]
@@ -47,9 +48,11 @@ class WeightCacheKey(BaseModel):
         """The key as JSON with sorted keys: equal keys give equal strings whatever the dict order."""
         return json.dumps(self.model_dump(), sort_keys=True, separators=(",", ":"))
 
-    def digest(self) -> str:
-        """A short stable hash of the whole key (used in generated entry names)."""
-        return hashlib.blake2b(self.canonical().encode(), digest_size=8).hexdigest()
+    def digest(self, publisher: int | None = None) -> str:
+        """A short stable hash of the whole key, and of its publisher's uid if given (generated
+        entry names, fd store names)."""
+        scope = "" if publisher is None else f"@{publisher}"
+        return hashlib.blake2b((self.canonical() + scope).encode(), digest_size=8).hexdigest()
 
     def __hash__(self) -> int:
         return hash(self.canonical())

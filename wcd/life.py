@@ -79,8 +79,8 @@ class Life:
         self.phase = "reclaimed"
         if self.parked:
             self.parked = False
-            for name in parking.fd_names(entry.key):
-                unstore(name)  # (`adoption.unpark`, which imports this module)
+            for name in parking.fd_names(entry.key, entry.publisher):
+                unstore(name)
         if entry.arena is not None:
             close_later(entry.arena)
             entry.arena = None

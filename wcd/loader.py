@@ -17,7 +17,6 @@ import ctypes
 import functools
 import hashlib
 import logging
-import mmap
 import os
 import threading
 import time
@@ -33,6 +32,7 @@ from wcd.arenas.base import Arena, ArenaReader, pread_into, scratch
 from wcd.checkpoint import BATCH_BYTES, Checkpoint, CopyOp
 from wcd.errors import LoadFailed
 from wcd.manifest import Manifest
+from wcd.pagecache import cached_fraction
 
 log = logging.getLogger("wcd")
 
@@ -59,131 +59,20 @@ class Progress:
 
 
 def default_workers() -> int:
-    """Loader threads per load: one per core, 4 to 16 (16 filled an H200 from the page cache at
-    46 GB/s, 8 at 44, 24 at 31; 4 on a 2-core VM kept host fills at the plain copy's rate)."""
+    """Loader threads per load: one per core, 4 to 16 (beyond 16 the copies from the page cache
+    slow down; 4 keep a small host's fills at a plain copy's rate: bench/RESULTS.md)."""
     return max(4, min(16, len(os.sched_getaffinity(0))))  # the cores this daemon may run on
 
 
-_RESIDENT = bytes(i & 1 for i in range(256))  # mincore: only the low bit of each byte is defined
-
-
-def mincore_tells(fd: int) -> bool:
-    """Whether mincore(2) tells this process the truth about the file's pages. Since Linux 5.0 it
-    reports every page of a file mapping as cached unless the caller owns the file or may write
-    it (mm/mincore.c, `can_do_mincore`): a daemon running as its own user, reading model files
-    that it may only read, would take every cold file for a warm one."""
-    if os.fstat(fd).st_uid == os.geteuid():
-        return True
-    try:
-        return os.access(f"/proc/self/fd/{fd}", os.W_OK, effective_ids=os.access in os.supports_effective_ids)
-    except OSError:
-        return False
-
-
-def cached_fraction(fd: int, windows: int = 64, window_pages: int = 64) -> float:
-    """About how much of the file `fd` is in the page cache now (0..1): mincore(2) over `windows`
-    evenly spaced windows of a mapping that is never touched (so a file truncated meanwhile cannot
-    fault); a whole 4 GB file would be a million pages to look up. 1.0 when it cannot tell.
-    The calls, not the pages, cost: 4 files took 5.6 ms as 256 x 16 pages, 2.6 ms as 64 x 64.
-    Where mincore would not tell (`mincore_tells`), one page per window is probed instead
-    (`_probed_fraction`)."""
-    size = os.fstat(fd).st_size
-    if size == 0:
-        return 1.0
-    if not mincore_tells(fd):
-        return _probed_fraction(fd, size, windows)
-    with _mapped(fd, 0, size) as addr:
-        if addr is None:
-            return 1.0
-        pages = -(-size // mmap.PAGESIZE)
-        span = min(window_pages, pages)
-        starts = sorted({i * (pages - span) // max(1, windows - 1) for i in range(windows)})
-        resident = 0
-        for page in starts:
-            found = _resident_pages(addr + page * mmap.PAGESIZE, span)
-            if found < 0:
-                return 1.0
-            resident += found
-        return resident / (span * len(starts))
-
-
-@contextlib.contextmanager
-def _mapped(fd: int, offset: int, length: int) -> Iterator[int | None]:
-    """A shared read-only mapping of the file's `length` bytes from `offset` (page-aligned) for
-    mincore, never touched (a file truncated meanwhile cannot fault); None if it cannot be made."""
-    libc = _libc()
-    addr = libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset)
-    if addr in (None, ctypes.c_void_p(-1).value):
-        yield None
-        return
-    try:
-        yield addr
-    finally:
-        libc.munmap(addr, length)
-
-
-def _resident_pages(addr: int, pages: int) -> int:
-    """How many of the `pages` mapped pages from `addr` are in the page cache (mincore); -1 if it fails."""
-    vec = (ctypes.c_ubyte * pages)()
-    if _libc().mincore(addr, pages * mmap.PAGESIZE, vec) != 0:
-        return -1
-    return bytes(vec).translate(_RESIDENT).count(1)
-
-
-def _probed_fraction(fd: int, size: int, windows: int) -> float:
-    """`cached_fraction` without mincore: a one-page read with RWF_NOWAIT at each of `windows`
-    evenly spaced pages, which the kernel answers from the page cache or refuses (EAGAIN). A
-    refused probe starts that page's read (Linux reads it ahead), so a cold file costs `windows`
-    page reads. 1.0 when it cannot tell (no RWF_NOWAIT for this file)."""
-    pages = -(-size // mmap.PAGESIZE)
-    starts = sorted({i * (pages - 1) // max(1, windows - 1) for i in range(windows)})
-    page = bytearray(1)
-    cached = 0
-    for start in starts:
-        try:
-            cached += os.preadv(fd, [page], start * mmap.PAGESIZE, os.RWF_NOWAIT) > 0
-        except BlockingIOError:
-            pass
-        except OSError:  # EOPNOTSUPP: a file system without it
-            return 1.0
-    return cached / len(starts)
-
-
-def resident(fd: int, offset: int, nbytes: int) -> bool:
-    """Whether every page of the file's bytes [offset, offset + nbytes) is in the page cache now:
-    mincore(2) over a mapping of just that range, never touched. False when it cannot tell (or
-    mincore would not tell: `mincore_tells`). A 16 MiB range costs three calls and a 4 KiB vector."""
-    if nbytes <= 0:
-        return True
-    if not mincore_tells(fd):
-        return False
-    start = offset - offset % mmap.PAGESIZE
-    length = offset + nbytes - start
-    with _mapped(fd, start, length) as addr:
-        pages = -(-length // mmap.PAGESIZE)
-        return addr is not None and _resident_pages(addr, pages) == pages
-
-
 @functools.cache
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    libc.memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]  # verify: ctypes drops the GIL
-    libc.memcmp.restype = ctypes.c_int
-    return libc
+def _memcmp() -> Callable[[int, int, int], int]:
+    """libc's memcmp, which ctypes calls without the GIL (verify compares from several threads)."""
+    memcmp = ctypes.CDLL(None, use_errno=True).memcmp
+    memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    memcmp.restype = ctypes.c_int
+    return memcmp
 
 
-# Tensor bytes of a checkpoint that `fill_arena` may ask the kernel to read ahead while the writer
-# is being made: a GPU writer with no context lingering waits for it and its pinned staging (0.09
-# to 0.16 s on the H200 machines) with the disk idle; at the 2-2.3 GB/s those machines' disks
-# served cold loads that is 200-370 MB. The reading ahead stops when the writer is ready, wherever
-# it got to. 1.6 GB cold with a context made per load (2026-12-03, round20, six rounds): 256 MiB
-# kept the disk busy 94% of the clock against 86% with 128, and loaded in 0.858 s against 0.885
-# (medians; faster in 4 of 6).
-READ_AHEAD_BYTES = 256 << 20
 # One POSIX_FADV_WILLNEED reads at most max(io_pages, ra_pages) of what it is asked for (the kernel
 # clamps it in force_page_cache_ra: 8 MiB on the CI VM, ~1 MiB on the H200's), so it is asked in
 # pieces no larger than the smallest such limit Linux sets by default (BLK_DEF_MAX_SECTORS was
@@ -246,8 +135,8 @@ def fill_arena(
     Call it from a thread, never the loop. `plan` is the ops, or the manifest to plan them from
     once the writer knows which files are in the page cache (it may read the others in larger
     pieces: `ArenaWriter.batch_bytes`). With `reads_ahead` (for writers that read through the
-    page cache), files not all in the page cache are read ahead (`read_ahead`, up to
-    READ_AHEAD_BYTES) while the writer is being made, and no longer.
+    page cache), files not all in the page cache are read ahead (`read_ahead`, up to the
+    arena's `tuning.read_ahead_bytes`) while the writer is being made, and no longer.
 
     Then fail (`LoadFailed`) if a shard was written meanwhile: its size or times changed since it
     was opened, or (given the fingerprint taken at admission) its sampled bytes differ now. Either
@@ -255,14 +144,15 @@ def fill_arena(
     """
     times = [time.perf_counter()]
     cached = [cached_fraction(fd) for fd in checkpoint.fds]  # before this load reads tensor data
-    with _reading_ahead(checkpoint, cached, READ_AHEAD_BYTES if reads_ahead else 0) as asked:
+    with _reading_ahead(checkpoint, cached, arena.tuning.read_ahead_bytes if reads_ahead else 0) as asked:
         writer = arena.writer()
     times.append(time.perf_counter())
     try:
         for fd, fraction in zip(checkpoint.fds, cached):
             writer.hint(fd, fraction, asked.get(fd))
         ops = plan if not isinstance(plan, Manifest) else \
-            checkpoint.copy_plan(plan, batch=[writer.batch_bytes(fd) or BATCH_BYTES for fd in checkpoint.fds])
+            checkpoint.copy_plan(plan, chunk=arena.tuning.chunk_bytes,
+                                 batch=[writer.batch_bytes(fd) or BATCH_BYTES for fd in checkpoint.fds])
         times.append(time.perf_counter())
         failed = threading.Event()  # one failed chunk stops the others early
 
@@ -394,7 +284,7 @@ def _compare(window: memoryview, parts: list[tuple[int, int, int, int, int]],
     """(piece, equal) for each part with a file source: one preadv per run of parts that lie back
     to back in a file, one memcmp per run back to back in the window (part by part only where
     that run differs)."""
-    memcmp = _libc().memcmp
+    memcmp = _memcmp()
     # The file bytes of the compared parts go one after the other into the file buffer, in order.
     runs: list[tuple[int, int, int]] = []  # (fd, file offset, nbytes)
     places: list[int] = []  # per part: where its file bytes landed, -1 if it has none

@@ -11,6 +11,10 @@ file is written in place, as any write). What the stream does not take waits in 
 most QUEUE_LINES lines, which a thread writes, in order, blocking; while lines wait, new ones
 queue behind them. When the queue is full, lines are dropped and counted, and the count is
 written after the line that was being written.
+
+A record is one line: control characters in its message (where peers' strings end up: a hello's
+`client`, a key, a path) are escaped, so that no peer can forge a line or a terminal's escape
+sequence; the lines of a traceback that follow are indented.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import re
 import select
 import socket
 import stat
@@ -27,6 +32,13 @@ from collections.abc import Callable
 QUEUE_LINES = 10_000
 # How long closing (at exit) waits for a stream that does not take what is queued.
 CLOSE_WAIT_S = 2.0
+# C0 and C1 controls, DEL, and what some readers take for a line break (NEL is C1).
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def escaped(text: str) -> str:
+    """`text` with each control character written as its Python escape (`\\n`, `\\x1b`)."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
 
 
 def nonblocking_write(fd: int) -> tuple[Callable[[bytes], int] | None, Callable[[], None]]:
@@ -76,6 +88,14 @@ class LogWriter(logging.Handler):
         self._dropped = 0
         self._thread = threading.Thread(target=self._write_queued, name="wcd-log", daemon=True)
         self._thread.start()
+
+    def format(self, record: logging.LogRecord) -> str:
+        """The record as one line (see the module), then its traceback, if any, indented."""
+        message = record.getMessage()
+        if _CONTROL.search(message):
+            record = logging.makeLogRecord({**record.__dict__, "msg": escaped(message), "args": None})
+        head, *rest = super().format(record).split("\n")
+        return "\n".join([head, *("  " + escaped(line) for line in rest)])
 
     def emit(self, record: logging.LogRecord) -> None:
         try:

@@ -42,14 +42,14 @@ DTYPE_SIZES: dict[str, int] = {
 DTYPES: tuple[str, ...] = tuple(DTYPE_SIZES)
 ITEMSIZES: tuple[int, ...] = tuple(DTYPE_SIZES.values())
 DTYPE_CODES: dict[str, int] = {d: i for i, d in enumerate(DTYPES)}
-# Names the daemon lays out may not hold control characters (they would forge log lines); NUL
-# separates names on the wire, so no name read from the wire can hold it either.
+# Names may not hold control characters, whether the daemon lays them out or a client reads them
+# from a reply: they would forge log lines and terminal output. NUL separates names on the wire.
 _CONTROL_CHAR = re.compile(r"[\x00-\x1f\x7f]")
 _CONTROL_BYTES = bytes(range(32)) + b"\x7f"
 _LITTLE = sys.byteorder == "little"
 
 
-def _has_control(s: str, nul_ok: bool = False) -> bool:
+def has_control(s: str, nul_ok: bool = False) -> bool:
     """`_CONTROL_CHAR.search(s)`, five times faster: UTF-8 never hides these bytes, and deleting
     bytes is a plain C loop where the regex steps through every character. `nul_ok`: NUL is
     allowed (it separates the names of a joined column)."""
@@ -61,7 +61,7 @@ def names_valid(names: Sequence[str]) -> bool:
     """Whether every one of these strs is a name `_check_name` accepts (1..MAX_NAME_LEN characters,
     none a control character), in C-level passes: 10 ms for 100,000 names on the VM."""
     return not names or ("" not in names and max(map(len, names)) <= MAX_NAME_LEN
-                         and not _has_control("".join(names)))
+                         and not has_control("".join(names)))
 
 
 def align_up(n: int, align: int = ALIGN) -> int:
@@ -100,13 +100,24 @@ def tensor_nbytes(name: str, dtype: str, shape: Sequence[int]) -> int:
     for d in shape:
         if type(d) is not int or d < 0 or d > MAX_DIM:
             raise BadRequest(f"tensor {name!r}: bad dimension {d!r}", {"tensor": name})
-    return math.prod(shape) * size
+    return _numel(tuple(shape), f"tensor {name!r}: ") * size
 
 
-def _check_name(name: Any, printable: bool = True) -> str:
+def _numel(shape: tuple[int, ...], what: str) -> int:
+    """The element count of a shape of valid dimensions. Its strides must be addressable too (torch's
+    sizes and strides are int64): past MAX_DIM elements, a zero-length dimension counted as 1, the
+    shape is refused, so (0, 2**48, 2**48) is as bad as (2**48, 2**48)."""
+    numel = math.prod(shape)
+    if (numel or math.prod(d or 1 for d in shape)) > MAX_DIM:
+        raise BadRequest(f"{what}shape {list(shape)} spans more than 2**48 elements "
+                         "(zero-length dimensions counted as 1)")
+    return numel
+
+
+def _check_name(name: Any) -> str:
     if type(name) is not str or not name or len(name) > MAX_NAME_LEN:
         raise BadRequest(f"bad tensor name {name!r:.80} (1..{MAX_NAME_LEN} characters)")
-    if _CONTROL_CHAR.search(name) if printable else "\0" in name:
+    if _CONTROL_CHAR.search(name):
         raise BadRequest(f"bad tensor name {name!r:.80} (control characters)")
     return name
 
@@ -213,7 +224,7 @@ class Manifest:
         every second tensor is at a constant stride; each group is split into the k (1..8)
         interleaved lanes that leave the fewest runs. Daemon side, once per entry; done with
         C-level passes over the columns and a Python step per group, lane and run, never per
-        tensor (100,000 tensors of one shape: 8 ms on the VM, was 62 ms a tensor at a time).
+        tensor (100,000 tensors of one shape: 8 ms on the CI VM).
         """
         n, ndt, codes, ids, offs = len(self.names), len(DTYPES), self.dtype_codes, self.shape_ids, self.offsets
         # Tensors in (stable) offset order: the identity for a manifest laid out by `_laid_out`.
@@ -342,8 +353,6 @@ class Manifest:
                 or not all(type(obj.get(k)) is bytes for k in TENSOR_COLUMNS[1:]):
             raise BadRequest("tensors must be {names: str, " + ", ".join(f"{k}: bin" for k in TENSOR_COLUMNS[1:]) + "}")
         names, codes, shapes, numels, ids = _tensor_columns(obj)
-        if _has_control(obj["names"], nul_ok=True):
-            _check_name(next(n for n in names if _CONTROL_CHAR.search(n)))
         sizes: list[int] = []
         for i in range(0, len(codes), STEP):  # in steps, as `_tensor_columns` checks
             part_ids, part_codes = ids[i : i + STEP], codes[i : i + STEP]
@@ -379,17 +388,20 @@ class Manifest:
         # of one rounded size (experts, a synthetic checkpoint) are laid out as one range.
         distinct = sizes[:1] if sizes and sizes.count(sizes[0]) == len(sizes) else dict.fromkeys(sizes)
         strides = {n: (n + ALIGN - 1) & -ALIGN for n in distinct}
+        ends: list[int] = []
         if len(strides) == 1:
             (stride,) = strides.values()
             end = stride * len(sizes)
-            offsets = array("Q", range(0, end, stride)) if stride else array("Q", [0]) * len(sizes)
         else:
             ends = list(accumulate(map(strides.__getitem__, sizes), initial=0))
-            end, offsets = ends[-1], array("Q", ends[:-1])
-        size = max(end, ALIGN)
-        if size > MAX_DIM:
-            raise BadRequest(f"the tensors need {size} bytes, more than an arena can hold")
-        return cls(names, codes, shapes, ids, offsets, sizes, size)
+            end = ends[-1]
+        if end > MAX_DIM:  # before the offsets become uint64s
+            raise BadRequest(f"the tensors need {end} bytes, more than an arena can hold")
+        if ends:
+            offsets = array("Q", ends[:-1])
+        else:
+            offsets = array("Q", range(0, end, stride)) if stride else array("Q", [0]) * len(sizes)
+        return cls(names, codes, shapes, ids, offsets, sizes, max(end, ALIGN))
 
 
 _COLUMNS = ("dtypes", "shape_ndims", "shape_dims", "shape_ids", "offsets", "runs")
@@ -432,6 +444,8 @@ def _tensor_columns(obj: dict[str, Any]) -> tuple[tuple[str, ...], bytes, list[t
     if n and (not joined or "\0\0" in joined or joined[0] == "\0" or joined[-1] == "\0"
               or max(max(map(len, names[i : i + STEP])) for i in range(0, n, STEP)) > MAX_NAME_LEN):
         _check_name(next(s for s in names if not s or len(s) > MAX_NAME_LEN))
+    if has_control(joined, nul_ok=True):
+        _check_name(next(s for s in names if _CONTROL_CHAR.search(s)))
     distinct: set[str] = set()
     for i in range(0, n, STEP):
         distinct.update(names[i : i + STEP])
@@ -451,7 +465,7 @@ def _tensor_columns(obj: dict[str, Any]) -> tuple[tuple[str, ...], bytes, list[t
         shape = tuple(dims[at : at + k])
         at += k
         shapes.append(shape)
-        numels.append(math.prod(shape))
+        numels.append(_numel(shape, "a tensor's "))
     ids = _le_array("I", ids_b)
     if n and max(ids) >= len(shapes):
         raise BadRequest(f"shape index {max(ids)} outside the {len(shapes)} shapes")

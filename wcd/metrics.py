@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 from bisect import bisect_left
+from collections import Counter
 from collections.abc import Collection, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from wcd.cache import Cache
 
+LOAD_PHASES = ("allocating", "reading", "checking")  # `Entry.load_phase` while loading
 _BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25, 1.0, 5.0, 30.0)
 
 
@@ -152,20 +154,38 @@ class _StateCollector:
         cache = self.state.cache
         budget = GaugeMetricFamily("wcd_device_budget_bytes", "Configured budget per device", labels=["device"])
         used = GaugeMetricFamily("wcd_device_used_bytes", "Bytes held by wcd per device", labels=["device"])
+        outside = GaugeMetricFamily("wcd_device_mapped_after_release_bytes",
+                                    "Bytes of gone entries other processes still map (counted against the budget)",
+                                    labels=["device"])
         for device, size in cache.budgets.items():
             budget.add_metric([device], size)
             used.add_metric([device], cache.used(device))
-        states = GaugeMetricFamily("wcd_entries", "Entries by state", labels=["state"])
+            outside.add_metric([device], cache.outside(device))
+        states = GaugeMetricFamily("wcd_entries", "Entries by state (failed: loads that ended without one)",
+                                   labels=["state"])
         for state in ("loading", "filling", "ready", "evicting"):
             states.add_metric([state], sum(1 for e in cache.entries.values() if e.state == state))
+        states.add_metric(["failed"], len(cache.failures))
         leases = GaugeMetricFamily("wcd_leases", "Live leases by kind", labels=["kind"])
         for kind in ("read", "fill"):
             leases.add_metric([kind], sum(1 for lease in cache.leases.values() if lease.kind == kind))
+        by_uid = GaugeMetricFamily("wcd_leases_by_uid", "Live leases by the uid holding them", labels=["uid"])
+        for uid, n in sorted(Counter(lease.uid for lease in cache.leases.values()).items()):
+            by_uid.add_metric([str(uid)], n)
+        phases = GaugeMetricFamily("wcd_loads", "Loads in progress by phase", labels=["phase"])
+        for phase in LOAD_PHASES:
+            phases.add_metric([phase], sum(1 for e in cache.entries.values()
+                                           if e.state in ("loading", "evicting") and e.load_phase == phase))
         yield budget
         yield used
+        yield outside
         yield states
+        yield phases
         yield leases
+        yield by_uid
         yield GaugeMetricFamily("wcd_connections", "Open client connections", value=len(self.state.connections))
         yield CounterMetricFamily("wcd_lease_expiries", "Leases ended by missed heartbeats",
                                   value=cache.stats["lease_expiries"])
         yield CounterMetricFamily("wcd_evictions", "Entries evicted", value=cache.stats["evictions"])
+        yield CounterMetricFamily("wcd_load_failures", "Loads that ended without an entry",
+                                  value=cache.stats["load_failures"])

@@ -3,7 +3,9 @@
 Serves exactly one thing, the text exposition of the daemon's metrics registry, on the event loop
 with asyncio streams: every other path is 404, every other method 405. Requests are bounded in size
 and time and connections in number, so a slow or hostile client cannot hold the endpoint or the
-loop. This module knows nothing about the server beyond the `render` callable it is given.
+loop: when every slot is taken, the connection that has waited longest for its request head makes
+room (a scraper sends its head at once; clients that trickle theirs are the ones that go). This
+module knows nothing about the server beyond the `render` callable it is given.
 """
 
 from __future__ import annotations
@@ -24,7 +26,12 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # Prometheus text for
 MAX_REQUEST_BYTES = 8192  # request line + headers; scrapers send a few hundred bytes
 REQUEST_TIMEOUT_S = 5.0  # to receive the whole request head
 WRITE_TIMEOUT_S = 10.0  # to hand over the response
-MAX_CONNECTIONS = 16  # more at once are closed unanswered
+# At once; past it the longest still sending its head is closed unanswered. Within the descriptors
+# the daemon keeps out of its peers' budgets (`wcd.server._fd_reserve`, 128 at least past a 1024 limit).
+MAX_CONNECTIONS = 128
+# Connections not yet accepted: room for a scrape while others come and go (a full backlog drops
+# its SYN, and it tries again only a second later).
+BACKLOG = 4 * MAX_CONNECTIONS
 # What socket()/bind() fail with under wcd@.service's RestrictAddressFamilies=AF_UNIX / IPAddressDeny=.
 _SANDBOXED = (errno.EAFNOSUPPORT, errno.EPERM, errno.EACCES)
 
@@ -36,7 +43,8 @@ class MetricsHttp:
         self.host, self.port = host, port
         self._render = render
         self._server: asyncio.AbstractServer | None = None
-        self._clients: set[asyncio.Task[None]] = set()
+        # Each client's task -> whether its head is in (insertion order: the oldest first).
+        self._clients: dict[asyncio.Task[None], bool] = {}
 
     @property
     def url(self) -> str:
@@ -63,7 +71,7 @@ class MetricsHttp:
             sock = socket.socket(family, kind, proto)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(address)
-            sock.listen(MAX_CONNECTIONS)
+            sock.listen(BACKLOG)
             sock.setblocking(False)
         except OSError as e:
             if sock is not None:
@@ -87,11 +95,15 @@ class MetricsHttp:
         task = asyncio.current_task()
         assert task is not None
         if len(self._clients) >= MAX_CONNECTIONS:
-            writer.close()
-            return
-        self._clients.add(task)
+            oldest = next((t for t, head_in in self._clients.items() if not head_in), None)
+            if oldest is None:  # all of them are being answered
+                writer.close()
+                return
+            oldest.cancel()
+            del self._clients[oldest]
+        self._clients[task] = False
         try:
-            status, body = await self._answer(reader)
+            status, body = await self._answer(reader, task)
             headers = {"Content-Type": CONTENT_TYPE if status.startswith("200") else "text/plain; charset=utf-8",
                        "Content-Length": str(len(body)), "Connection": "close"}
             if status.startswith("405"):
@@ -102,12 +114,14 @@ class MetricsHttp:
         except (OSError, asyncio.TimeoutError):
             pass  # the client went away or stopped reading: nothing to tell it
         finally:
-            self._clients.discard(task)
+            self._clients.pop(task, None)
             writer.close()
 
-    async def _answer(self, reader: asyncio.StreamReader) -> tuple[str, bytes]:
+    async def _answer(self, reader: asyncio.StreamReader, task: asyncio.Task[None]) -> tuple[str, bytes]:
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT_S)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT_S)  # the whole head
+            if task in self._clients:  # not made room with meanwhile
+                self._clients[task] = True
         except asyncio.LimitOverrunError:
             return "431 Request Header Fields Too Large", b"request too large\n"
         except asyncio.TimeoutError:

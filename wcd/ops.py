@@ -26,15 +26,25 @@ from typing import Any, Generic, TypeVar
 
 from wcd import __version__, protocol
 from wcd.arenas import backend_for
-from wcd.cache import Entry, Lease
-from wcd.config import format_size, peer_gids
+from wcd.cache import Cache, Entry, LeaseRecord
 from wcd.connection import Connection
-from wcd.errors import BadRequest, Busy, Internal, NotFound, PermissionDenied, UnsupportedVersion, WcdError
+from wcd.errors import (
+    BadRequest,
+    Busy,
+    Internal,
+    KeyMismatch,
+    NotFound,
+    PermissionDenied,
+    UnsupportedVersion,
+    WcdError,
+)
 from wcd.key import HOST_DEVICE, WeightCacheKey
 from wcd.manifest import Manifest
 from wcd.metrics import Metrics
-from wcd.residency import Residency
+from wcd.peers import peer_gids
+from wcd.residency import Residency, ended
 from wcd.state import ServerState
+from wcd.units import format_size
 
 log = logging.getLogger("wcd")
 
@@ -64,6 +74,11 @@ class Context:
         if gids is None:
             gids = self.peer_groups[conn] = peer_gids(conn.uid, conn.gid)
         return daemon.is_admin(conn.uid, gids, os.getuid())
+
+    def publishers(self, conn: Connection) -> tuple[int, ...]:
+        """Whose entries a lookup by key from `conn` takes, in order: its own uid's, the daemon's
+        (its loads), then the `trusted_publishers`' (DESIGN §10)."""
+        return (conn.uid, os.getuid(), *self.state.config.daemon.trusted_publishers)
 
     def require_admin(self, conn: Connection, what: str) -> None:
         if not self.is_admin(conn):
@@ -101,19 +116,25 @@ def status(ctx: Context, conn: Connection, req: protocol.Status) -> None:
     for device, budget in cache.budgets.items():
         info = backend_for(device).info(device)
         devices.append({"device": device, "name": info.name, "total": info.total, "free": info.free,
-                        "budget": budget, "used": cache.used(device)})
-    entries = [e.describe() for e in cache.entries.values()]
+                        "budget": budget, "used": cache.used(device),
+                        "mapped_after_release": cache.outside(device)})
+    entries = _described(cache)
     conn.send(protocol.ok(
         req.id, version=__version__, instance=state.instance, pid=os.getpid(),
         uptime_s=time.time() - state.started_at, socket=state.where, lease_ttl_s=cache.lease_ttl_s,
         devices=devices, entries=entries, leases=len(cache.leases), connections=len(state.connections),
-        loading=[e["name"] for e in entries if e["state"] == "loading"], counters=dict(cache.stats),
+        loading=[e["name"] for e in entries if e["state"] == "loading"],
+        failed=[e["name"] for e in entries if e["state"] == "failed"], counters=dict(cache.stats),
         series=_series(ctx)))
 
 
 def list_entries(ctx: Context, conn: Connection, req: protocol.ListEntries) -> None:
-    conn.send(protocol.ok(req.id, entries=[e.describe() for e in ctx.state.cache.entries.values()],
-                          series=_series(ctx)))
+    conn.send(protocol.ok(req.id, entries=_described(ctx.state.cache), series=_series(ctx)))
+
+
+def _described(cache: Cache) -> list[dict[str, Any]]:
+    """Entries, then the loads that failed (state `failed`, with their reason)."""
+    return [e.describe() for e in cache.entries.values()] + [f.describe() for f in cache.failures.values()]
 
 
 def _series(ctx: Context) -> list[dict[str, Any]]:
@@ -146,14 +167,16 @@ def _announce(ctx: Context, entry: Entry, why: str) -> int:
 
 
 def leases(ctx: Context, conn: Connection, req: protocol.Leases) -> None:
-    """Every lease for admins; a peer's own (by uid) for the others: pids and uids are not theirs to see."""
+    """A page of leases (ids above `after`): every lease for admins; a peer's own (by uid) for the
+    others, from the cache's index of them: pids and uids are not theirs to see. `next` is the
+    cursor of the next page, None after the last."""
     cache = ctx.state.cache
     now = cache.clock()
-    everyone = ctx.is_admin(conn)
-    conn.send(protocol.ok(req.id, leases=[
+    page, cursor = cache.leases_page(None if ctx.is_admin(conn) else conn.uid, req.after, req.limit)
+    conn.send(protocol.ok(req.id, next=cursor, leases=[
         {"id": lease.id, "entry": lease.entry.name, "kind": lease.kind, "pid": lease.pid, "uid": lease.uid,
          "expires_in_s": round(lease.expires_at - now, 3) if math.isfinite(lease.expires_at) else None}
-        for lease in cache.leases.values() if everyone or lease.uid == conn.uid]))
+        for lease in page]))
 
 
 def heartbeat(ctx: Context, conn: Connection, req: protocol.Heartbeat) -> None:
@@ -161,24 +184,34 @@ def heartbeat(ctx: Context, conn: Connection, req: protocol.Heartbeat) -> None:
 
 
 def release(ctx: Context, conn: Connection, req: protocol.Release) -> None:
-    ctx.residency.reclaim(ctx.state.cache.release(conn, req.lease))
+    for entry in ctx.state.cache.release(conn, req.lease):
+        ctx.residency.reclaim([entry], ended(entry, f"its last lease was released (pid {conn.pid}, uid {conn.uid})"))
     conn.send(protocol.ok(req.id))
 
 
 def abort(ctx: Context, conn: Connection, req: protocol.Abort) -> None:
-    ctx.residency.reclaim(ctx.state.cache.abort(conn, req.lease))
+    ctx.residency.reclaim(ctx.state.cache.abort(conn, req.lease), f"its publish was aborted by uid {conn.uid}")
     conn.send(protocol.ok(req.id))
 
 
 def evict(ctx: Context, conn: Connection, req: protocol.Evict) -> None:
-    entry = ctx.state.cache.find(ctx.residency.resolve(req.target()))
+    target = req.target()
+    if isinstance(target, str) and target not in ctx.state.cache.entries and target in ctx.state.cache.failures:
+        if not ctx.is_admin(conn):
+            raise PermissionDenied(f"uid {conn.uid} may not evict {target!r}: only admins forget a failed load",
+                                   {"entry": target, "uid": conn.uid})
+        ctx.state.cache.forget_failure(target)
+        log.info("%s: its failed load forgotten (evicted by uid %d)", target, conn.uid)
+        conn.send(protocol.ok(req.id, entry=target, state="evicted", leases=0))
+        return
+    entry = ctx.state.cache.find(ctx.residency.resolve(target), ctx.publishers(conn))
     ctx.state.cache.check_evict(entry, conn.uid, ctx.is_admin(conn))
-    dropped = ctx.residency.evict(entry)
+    dropped = ctx.residency.evict(entry, f"evicted by uid {conn.uid} (pid {conn.pid})")
     conn.send(protocol.ok(req.id, entry=entry.name, state="evicted" if dropped else entry.state,
                           leases=len(entry.leases)))
 
 
-def metrics(ctx: Context, conn: Connection, req: protocol.Metrics) -> Coroutine[Any, Any, None] | None:
+def metrics(ctx: Context, conn: Connection, req: protocol.MetricsRequest) -> Coroutine[Any, Any, None] | None:
     """At once, once prometheus-client is imported; before (the first second after READY, when
     `Server._warm_metrics` imports it) as a task that waits for the one import, in a thread, and
     gets the rendering it shares with every request that waited with it (`Metrics.text`)."""
@@ -188,23 +221,23 @@ def metrics(ctx: Context, conn: Connection, req: protocol.Metrics) -> Coroutine[
     return _metrics_later(ctx, conn, req)
 
 
-async def _metrics_later(ctx: Context, conn: Connection, req: protocol.Metrics) -> None:
+async def _metrics_later(ctx: Context, conn: Connection, req: protocol.MetricsRequest) -> None:
     conn.send(protocol.ok(req.id, text=await ctx.metrics.text()))
 
 
 # -- may wait (for a load, a thread, a digest): each runs as a task of its connection ---------
 
 
-async def _find(ctx: Context, target: str | WeightCacheKey, wait: bool, deadline: float) -> Entry:
+async def _find(ctx: Context, conn: Connection, target: str | WeightCacheKey, wait: bool, deadline: float) -> Entry:
     """`cache.find`; a name whose configured model is being admitted (after a reload, or once the
     leases of the entry a reload changed end) is waited for when the client waits."""
     try:
-        return ctx.state.cache.find(target)
+        return ctx.state.cache.find(target, ctx.publishers(conn))
     except NotFound:
         if not (wait and isinstance(target, str)
                 and await ctx.residency.admission(target, max(0.0, deadline - time.monotonic()))):
             raise
-    return ctx.state.cache.find(target)
+    return ctx.state.cache.find(target, ctx.publishers(conn))
 
 
 async def acquire(ctx: Context, conn: Connection, req: protocol.Acquire) -> None:
@@ -217,7 +250,7 @@ async def acquire(ctx: Context, conn: Connection, req: protocol.Acquire) -> None
         return
     target = ctx.residency.resolve(req.target())
     deadline = time.monotonic() + req.timeout_s
-    entry = await _find(ctx, target, req.wait, deadline)
+    entry = await _find(ctx, conn, target, req.wait, deadline)
     # Evicting but still loading (a reload changed it during its fill or check): wait for that to
     # end, as for a load; the model of the new config is then admitted under its name.
     while entry.state in ("loading", "filling") or ctx.residency.still_loading(entry):
@@ -232,8 +265,18 @@ async def acquire(ctx: Context, conn: Connection, req: protocol.Acquire) -> None
             if current is entry or (current is None and not await ctx.residency.admission(
                     entry.name, max(0.0, deadline - time.monotonic()))):
                 raise
-            entry = ctx.state.cache.find(target)
-    await _wire_ready(ctx, conn, entry)
+            entry = ctx.state.cache.find(target, ctx.publishers(conn))
+    if req.digest is not None:
+        resident = await ctx.residency.content_digest(entry)
+        if resident != req.digest:
+            raise KeyMismatch(
+                f"entry {entry.name!r} holds other bytes than the content digest asked for ({resident[:16]}... "
+                f"resident, {req.digest[:16]}... asked): not attached", {"fields": ["digest"], "entry": entry.name,
+                                                                         "resident": resident})
+    if not entry.manifest.wire_ready():  # once per entry: 10^5 tensors take a while
+        await asyncio.to_thread(entry.manifest.wire)
+    if ctx.state.cache.entries.get(entry.name) is not entry:
+        raise NotFound(f"entry {entry.name!r} was evicted while it was being acquired")
     conn.quotas.fd_room(conn)
     _send_lease(ctx, conn, req.id, ctx.state.cache.acquire(entry, conn, conn.pid, conn.uid))
 
@@ -251,7 +294,7 @@ async def reserve(ctx: Context, conn: Connection, req: protocol.Reserve) -> None
     key = req.key.model_copy(update={"device": ctx.residency.canonical_device(req.key.device, from_peer=True)})
     conn.quotas.fd_room(conn)
     manifest = await asyncio.to_thread(_reserved_manifest, req.columns, req.series is not None)
-    name = f"{key.model}#{key.digest()[:8]}"
+    name = f"{key.model}#{key.digest(conn.uid)[:8]}"  # one key, one entry per publisher
     _send_lease(ctx, conn, req.id, await ctx.residency.reserve(name, key, manifest, req.retention, conn,
                                                                conn.pid, conn.uid, req.series,
                                                                ctx.is_admin(conn) if req.series else False))
@@ -295,7 +338,16 @@ async def load(ctx: Context, conn: Connection, req: protocol.Load) -> None:
     entry = ctx.state.cache.entries.get(req.name)
     if entry is None:
         started = time.monotonic()
-        entry = await ctx.residency.admit_load(req.name, path, device, retention, "load", follow)
+        try:
+            entry = await ctx.residency.admit_load(req.name, path, device, retention, "load", follow)
+        except (Busy, PermissionDenied):
+            raise  # the name or key is taken, or the path is not the peer's to load: nothing failed to load
+        except WcdError as e:
+            ctx.residency.failed(req.name, f"{e.message} (wcdctl load by uid {conn.uid})",
+                                 "config" if req.path is None else "load", device, path)
+            raise
+        if req.path is not None:  # bytes the asker chose, not the daemon's config
+            entry.asked_by = conn.uid
         admitted = time.monotonic()
         task = ctx.residency.start_fill(entry)
         if req.wait:
@@ -311,7 +363,7 @@ MISMATCHES_LISTED = 50  # a verify reply names at most these; `mismatched_count`
 
 
 async def verify(ctx: Context, conn: Connection, req: protocol.Verify) -> None:
-    entry = ctx.state.cache.find(ctx.residency.resolve(req.target()))
+    entry = ctx.state.cache.find(ctx.residency.resolve(req.target()), ctx.publishers(conn))
     limit = ctx.state.config.daemon.max_verifies_per_uid
     if ctx.verifying[conn.uid] >= limit:
         raise Busy(f"uid {conn.uid} has {limit} verify requests in flight (max_verifies_per_uid); "
@@ -338,12 +390,12 @@ def _reserved_manifest(tensors: protocol.TensorColumns, generation: bool = False
     return manifest
 
 
-def _send_lease(ctx: Context, conn: Connection, req_id: int, lease: Lease) -> None:
+def _send_lease(ctx: Context, conn: Connection, req_id: int, lease: LeaseRecord) -> None:
     entry, arena = lease.entry, lease.entry.arena
     ctx.state.cache.handed_out(lease)
     conn.send(protocol.ok(
         req_id, lease=lease.id, kind=lease.kind, entry=entry.name, key=entry.key.model_dump(),
-        origin=entry.origin, publisher_uid=entry.publisher,
+        origin=entry.origin, publisher_uid=entry.publisher, asked_by=entry.asked_by,
         manifest=entry.manifest.wire(), ttl_s=ctx.state.cache.lease_ttl_s,
         arena={"kind": arena.kind, "size": arena.size, "device": arena.device}), [arena.fd()])
 
@@ -376,7 +428,7 @@ OPS: dict[str, Op[Any]] = {
     "release": Op(protocol.Release, release),
     "abort": Op(protocol.Abort, abort),
     "evict": Op(protocol.Evict, evict),
-    "metrics": Op(protocol.Metrics, metrics),
+    "metrics": Op(protocol.MetricsRequest, metrics),
     "acquire": Op(protocol.Acquire, acquire),
     "reserve": Op(protocol.Reserve, reserve),
     "commit": Op(protocol.Commit, commit),

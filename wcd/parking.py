@@ -17,10 +17,11 @@ from typing import Any, cast
 
 import msgpack
 
-from wcd.cache import Entry, Origin, Retention
+from wcd.cache import Entry, Origin
 from wcd.errors import BadRequest
 from wcd.key import WeightCacheKey
 from wcd.manifest import Manifest
+from wcd.wire import Retention
 
 RECORD_VERSION = 1
 MAX_RECORD_BYTES = 64 << 20
@@ -39,15 +40,16 @@ class ParkedEntry:
     arena_kind: str
     arena_size: int
     publisher: int | None  # the publisher's uid (published entries); older records lack it
+    asked_by: int | None = None  # the uid whose `load` of a path made it (`Entry.asked_by`)
 
     def manifest(self) -> Manifest:
         """The manifest, validated like one from a peer; `BadRequest` says what is wrong with it."""
         return Manifest.from_wire(self.manifest_wire)  # its size is `manifest_size`: from_wire keeps it
 
 
-def fd_names(key: WeightCacheKey) -> tuple[str, str]:
-    """(arena name, record name) in the fd store for the entry with `key`."""
-    stem = f"wcd-{key.digest()}"
+def fd_names(key: WeightCacheKey, publisher: int | None) -> tuple[str, str]:
+    """(arena name, record name) in the fd store for the entry with `key` from `publisher`."""
+    stem = f"wcd-{key.digest(publisher)}"
     return stem + ARENA_SUFFIX, stem + RECORD_SUFFIX
 
 
@@ -57,6 +59,7 @@ def record_memfd(entry: Entry) -> int:
         "v": RECORD_VERSION, "name": entry.name, "key": entry.key.model_dump(),
         "manifest": entry.manifest.to_wire(), "retention": entry.retention, "origin": entry.origin,
         "arena": {"kind": entry.arena.kind, "size": entry.arena.size}, "publisher": entry.publisher,
+        "asked_by": entry.asked_by,
     }, use_bin_type=True)
     fd = os.memfd_create(f"wcd-record:{entry.name}"[:249], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
@@ -89,7 +92,7 @@ def parse_record(fd: int) -> ParkedEntry:
             name=str(rec["name"]), key=WeightCacheKey.model_validate(rec["key"]),
             manifest_wire=manifest, manifest_size=manifest["size"], retention=cast(Retention, str(rec["retention"])),
             origin=cast(Origin, str(rec["origin"])), arena_kind=str(arena["kind"]), arena_size=int(arena["size"]),
-            publisher=rec.get("publisher"),
+            publisher=rec.get("publisher"), asked_by=rec.get("asked_by") if type(rec.get("asked_by")) is int else None,
         )
     except (KeyError, TypeError, ValueError) as e:
         raise BadRequest(f"record is incomplete ({e})") from None

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -24,7 +25,7 @@ from pydantic import (
 
 from wcd.errors import BadRequest
 from wcd.key import WeightCacheKey
-from wcd.manifest import MAX_NAME_LEN, MAX_NDIM, MAX_TENSORS
+from wcd.manifest import MAX_NAME_LEN, MAX_NDIM, MAX_TENSORS, has_control
 from wcd.wire import (  # noqa: F401 - the daemon's one import for the protocol
     MAX_FDS_PER_FRAME,
     MAX_FRAME_BYTES,
@@ -32,16 +33,25 @@ from wcd.wire import (  # noqa: F401 - the daemon's one import for the protocol
     PROTOCOL_VERSION,
     SUPPORTED_VERSIONS,
     FrameDecoder,
+    Retention,
     encode,
     error,
     fds_from_ancillary,
     ok,
 )
 
-Name = Annotated[str, StringConstraints(min_length=1, max_length=256)]
+
+def _no_control(name: str) -> str:
+    """Entry names hold no control characters: they would forge log lines, and clients refuse them."""
+    if has_control(name):
+        raise ValueError("control characters are not allowed in entry names")
+    return name
+
+
+Name = Annotated[str, StringConstraints(min_length=1, max_length=256), AfterValidator(_no_control)]
+LEASES_PER_PAGE = 1000  # a `leases` reply lists at most these; the client asks for the next page
 # A series' name: printable, no '@' (its generations are named series@N) and no control characters.
 SeriesName = Annotated[str, StringConstraints(min_length=1, max_length=200, pattern=r"^[^@\x00-\x1f\x7f]+$")]
-Retention = Literal["pinned", "cached", "ephemeral"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -74,7 +84,11 @@ class ListEntries(_Req):
 
 
 class Leases(_Req):
+    """A page of leases: ids above `after`, at most `limit`."""
+
     op: Literal["leases"]
+    after: Annotated[StrictInt, Field(ge=0)] = 0
+    limit: Annotated[StrictInt, Field(ge=1, le=LEASES_PER_PAGE)] = LEASES_PER_PAGE
 
 
 class _Target(_Req):
@@ -102,9 +116,13 @@ class _Generation(_Target):
 
 
 class Acquire(_Generation):
+    """`digest`: the full content digest (as `verify` reports it) the reader wants checked: an
+    entry holding other bytes is refused `key_mismatch`."""
+
     op: Literal["acquire"]
     wait: StrictBool = True
     timeout_s: Annotated[float, Field(gt=0, le=24 * 3600)] = 3600.0
+    digest: Annotated[str, StringConstraints(pattern="^[0-9a-f]{64}$")] | None = None
 
 
 class Heartbeat(_Req):
@@ -164,7 +182,7 @@ class Verify(_Target):
     op: Literal["verify"]
 
 
-class Metrics(_Req):
+class MetricsRequest(_Req):
     op: Literal["metrics"]
 
 
@@ -184,7 +202,7 @@ class Rollback(_Req):
 
 
 _REQUESTS: tuple[type[_Req], ...] = (Hello, Ping, Status, ListEntries, Leases, Acquire, Heartbeat, Release,
-                                     Reserve, Commit, Abort, Load, Evict, Verify, Metrics, Watch, Rollback)
+                                     Reserve, Commit, Abort, Load, Evict, Verify, MetricsRequest, Watch, Rollback)
 SCHEMAS: dict[str, type[_Req]] = {m.model_fields["op"].annotation.__args__[0]: m  # type: ignore[union-attr]
                                   for m in _REQUESTS}
 OPS: tuple[str, ...] = tuple(SCHEMAS)

@@ -28,37 +28,42 @@ from pathlib import Path
 from typing import Any
 
 from wcd import adoption, parking
-from wcd.arenas import Arena, ArenaBackend, backend_for, loaded_backends
-from wcd.cache import Entry, Lease, Origin, Retention
+from wcd.arenas import Arena, ArenaBackend, backend_for, loaded_backends, released_held
+from wcd.cache import Entry, LeaseRecord, Origin, describe_expired
 from wcd.checkpoint import Checkpoint, Shards
-from wcd.config import ModelConfig, format_size
+from wcd.config import ModelConfig
 from wcd.devices import Devices
 from wcd.errors import BadRequest, Busy, LoadFailed, NotFound, WcdError
 from wcd.header_helpers import HeaderHelpers
 from wcd.header_helpers import default_count as default_helpers
 from wcd.key import WeightCacheKey, first_fingerprint
 from wcd.life import Life, life
-from wcd.loader import Cancelled, default_workers, fill_arena
+from wcd.loader import Cancelled, content_digest, default_workers, fill_arena
 from wcd.manifest import Manifest
 from wcd.metrics import Metrics
 from wcd.offloop import both, close_later, free_later, produced, using
 from wcd.state import ServerState
+from wcd.units import describe_progress, format_duration, format_size
 from wcd.verifying import Verification, Verifier
+from wcd.wire import Retention
 from wcd.workers import Pool
 
 log = logging.getLogger("wcd")
 
+LOAD_LOG_EVERY_S = 10.0  # a load that takes longer says how far it got this often
 FILL_WORKERS = 4  # loads filling at once; each runs `load_workers` reader threads of its own
 Spawn = Callable[[Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]
 # How long shutdown waits for the driver to let go of arenas and lingering GPU staging: a hung
 # driver must not hold it until systemd's stop timeout; what is left goes with the process.
 RELEASE_WAIT_S = 5.0
+EXPIRY_BATCH = 1024  # leases the expiry task ends before it lets the loop answer others
 
 
 class Residency:
     def __init__(self, state: ServerState, metrics: Metrics, spawn: Spawn) -> None:
         self.state = state
         self.cache = state.cache
+        self.cache.outside = released_held  # what reclaimed arenas still take: admission counts it
         self._metrics = metrics
         self._spawn = spawn
         self.devices = Devices(state)
@@ -101,7 +106,7 @@ class Residency:
             entry = await self.admit_load(model.name, model.path, model.device, model.retention, "config",
                                           model.follow_symlinks, replacing)
         except WcdError as e:
-            log.error("cannot load %s: %s", model.name, e.message)
+            self.failed(model.name, e.message, "config", model.device, model.path)
             return
         finally:
             self._admitting.pop(model.name, None)
@@ -109,6 +114,13 @@ class Residency:
         if self._model(model.name) != model:
             self.supersede(entry)  # a reload changed or removed it meanwhile: its fill stops, then per that config
         self.start_fill(entry)
+
+    def failed(self, name: str, reason: str, origin: Origin, device: str, path: object, logged: bool = False) -> None:
+        """A load of `name` ended without an entry: said in the log (unless `logged` elsewhere) and
+        kept in the cache as a failure, which status, list, the status line and metrics show."""
+        if not logged:
+            log.error("cannot load %s: %s", name, reason)
+        self.cache.fail(name, reason, origin, device, str(path))
 
     async def admission(self, name: str, timeout: float) -> bool:
         """Wait until a configured model of that name being admitted (its headers read) is in the
@@ -151,12 +163,12 @@ class Residency:
             key = WeightCacheKey(model=name, path=str(ckpt.path), fingerprint=fingerprinted[0], device=canonical)
             nbytes = backend_for(canonical).arena_size(manifest.size, canonical)
             if replacing is not None:
-                self.reclaim(self.cache.load_failed(replacing))
+                self.reclaim(self.cache.load_failed(replacing), "replaced by its model as configured now")
             entry, victims = self.cache.admit(name, key, manifest, nbytes, retention, origin, publisher=os.getuid())
         except BaseException:
             ckpt.close()
             raise
-        self.reclaim(victims)
+        self.reclaim(victims, f"least recently used, to make room for {name} ({format_size(nbytes)})")
         entry.life = Life(checkpoint=ckpt)
         return entry
 
@@ -172,6 +184,8 @@ class Residency:
                  len(manifest), ckpt.path, entry.device)
         started = time.monotonic()
         workers = self.state.config.daemon.load_workers or default_workers()
+        entry.load_phase = "allocating"
+        reporter = asyncio.ensure_future(self._report_progress(entry, started))
 
         def fill(arena: Arena) -> None:
             # The plan walks every tensor (a while for 10^5): in the worker, not on the loop. Cold
@@ -182,12 +196,15 @@ class Residency:
 
         try:
             entry.arena = await self._create(backend_for(entry.device), entry.device, entry.nbytes, entry.name)
-            allocated = time.monotonic()
+            allocated = entry.reading_since = time.monotonic()
+            entry.load_phase = "reading"
             await using(self._fill_pool, entry.arena, fill)
         except BaseException as e:
+            reporter.cancel()
+            entry.load_phase = ""
             ckpt.close()
             if not isinstance(e, Exception):  # cancelled (shutdown)
-                self.reclaim(self.cache.load_failed(entry))
+                self.reclaim(self.cache.load_failed(entry), "its load was cancelled (shutdown)")
                 raise
             replaced = await self._drop_loading(entry)
             if isinstance(e, Cancelled):
@@ -196,9 +213,14 @@ class Residency:
                              entry.name)
                     return entry
                 raise NotFound(f"loading {entry.name} was cancelled: the entry was evicted") from None
-            if isinstance(e, WcdError):
+            error = e if isinstance(e, WcdError) else LoadFailed(f"loading {entry.name} failed: {e}")
+            if not replaced:  # logged as the task's failure (`wcd.server`), or answered to `wcdctl load --wait`
+                self.failed(entry.name, error.message, entry.origin, entry.device, entry.key.path, logged=True)
+            if error is e:
                 raise
-            raise LoadFailed(f"loading {entry.name} failed: {e}") from e
+            raise error from e
+        reporter.cancel()
+        entry.load_phase = ""
         ckpt.close()
         _free_headers(ckpt)
         seconds = time.monotonic() - started
@@ -211,6 +233,13 @@ class Residency:
         self.cache.loaded(entry)
         self._set_ready(entry)
         return entry
+
+    async def _report_progress(self, entry: Entry, started: float) -> None:
+        """A log line every LOAD_LOG_EVERY_S while `entry` loads: phase, bytes, rate, time left."""
+        while True:
+            await asyncio.sleep(LOAD_LOG_EVERY_S)
+            log.info("loading %s: %s (%s elapsed)", entry.name, describe_progress(entry.describe()["progress"]),
+                     format_duration(time.monotonic() - started))
 
     async def wait_ready(self, entry: Entry, timeout: float) -> Entry:
         """Wait until `entry` leaves loading/filling; `Busy` after `timeout`, `NotFound` if it went away."""
@@ -239,7 +268,8 @@ class Residency:
     # -- publishing -------------------------------------------------------------------------
 
     async def reserve(self, name: str, key: WeightCacheKey, manifest: Manifest, retention: Retention,
-                      owner: Any, pid: int, uid: int, series: str | None = None, admin: bool = False) -> Lease:
+                      owner: Any, pid: int, uid: int, series: str | None = None,
+                      admin: bool = False) -> LeaseRecord:
         """Admit a published entry (carrying `uid`; with `series`, its next generation) and allocate
         its empty arena: the fill lease, whose TTL starts when the caller hands it out
         (`Cache.handed_out`)."""
@@ -248,12 +278,13 @@ class Residency:
             name, key, manifest, backend.arena_size(manifest.size, key.device), retention, owner, pid, uid,
             series, admin)
         name = entry.name
-        self.reclaim(victims)
+        self.reclaim(victims, f"least recently used, to make room for {name} ({format_size(entry.nbytes)}, "
+                     f"published by uid {uid})")
         entry.life = Life(phase="filling")
         try:
             arena = await self._create(backend, key.device, entry.nbytes, name)
         except BaseException:
-            self.reclaim(self.cache.load_failed(entry))
+            self.reclaim(self.cache.load_failed(entry), "its arena could not be allocated")
             raise
         if self.cache.entries.get(name) is not entry:
             close_later(arena)
@@ -278,14 +309,17 @@ class Residency:
                 await using(None, lease.entry.arena, lambda arena: arena.seal())
             except BadRequest:  # the arena is not what the daemon handed out: it is never published
                 if self.cache.leases.get(lease_id) is lease:
-                    self.reclaim(self.cache.abort(owner, lease_id))
+                    self.reclaim(self.cache.abort(owner, lease_id), "its commit was refused: the arena is not the "
+                                 "one handed out")
                 raise
             finally:
                 record.committing = False
         entry, dropped = self.cache.commit(owner, lease_id)
-        self.reclaim(dropped)  # this entry, evicted while it was filled, or generations it retired
         if self.cache.entries.get(entry.name) is not entry:
+            self.reclaim(dropped, "evicted while it was being filled")
             raise NotFound(f"{entry.name} was evicted while it was being filled; nothing was published")
+        self.reclaim(dropped, f"past keep_generations ({self.cache.keep_generations}) once {entry.name} became "
+                     "current")
         self._set_ready(entry)
         self._verifier.keep_digest(entry, "digest at commit")
         return entry
@@ -294,13 +328,30 @@ class Residency:
         """Make a kept previous generation of `series` current again. The generations after it leave
         systemd's fd store: a restart makes the newest generation it finds current."""
         entry, dropped = self.cache.rollback(series, uid, admin, to)
-        self.reclaim(dropped)
+        self.reclaim(dropped, f"past keep_generations ({self.cache.keep_generations}) once {series} was rolled "
+                     f"back to {entry.name} (uid {uid})")
         assert entry.series is not None
         for newer in [e for g, e in entry.series.generations.items() if g > entry.generation]:
             adoption.unpark(newer)
         return entry
 
     # -- verifying --------------------------------------------------------------------------
+
+    async def content_digest(self, entry: Entry) -> str:
+        """The full content digest of what is resident (`loader.content_digest`, as `verify` gives
+        it), hashed once per entry in the digest pool and kept: at commit for published entries,
+        at the first request for the others (the bytes are sealed, so it cannot change)."""
+        record = life(entry)
+        if record.digest is None:
+            self._verifier.keep_digest(entry, "digest at its first request")
+        assert record.digest is not None
+        try:
+            digests = await asyncio.shield(record.digest[0])
+        except Exception:
+            if self.cache.entries.get(entry.name) is not entry:  # evicted while it was hashed
+                raise NotFound(f"entry {entry.name!r} was evicted while its content digest was taken") from None
+            raise
+        return await asyncio.to_thread(content_digest, digests)
 
     async def verify(self, entry: Entry) -> Verification:
         """The content digest of what is resident and the tensors that differ (`wcd.verifying`).
@@ -312,13 +363,16 @@ class Residency:
         try:
             return await self._verifier.shared(entry, self._follow_links(entry.name))
         finally:
-            self.reclaim(self.cache.release(holder, lease.id))
+            dropped = self.cache.release(holder, lease.id)
+            self.reclaim(dropped, ended(entry, "the daemon's hold for its verify ended"))
 
     # -- reclaiming -------------------------------------------------------------------------
 
-    def reclaim(self, entries: Iterable[Entry]) -> None:
-        """Entries the cache dropped: end their lives (memory returns once clients unmap)."""
+    def reclaim(self, entries: Iterable[Entry], why: str) -> None:
+        """Entries the cache dropped, for `why` (said in the log, and shown with the entry of that
+        name that comes next): end their lives (memory returns once clients unmap)."""
         for entry in entries:
+            self.cache.note_reclaimed(entry.name, why)
             record = life(entry)
             if record.superseded:  # a reload changed its model while it was leased: load that now
                 record.superseded = False
@@ -326,12 +380,15 @@ class Residency:
                 if model is not None:
                     self.admit_later(model)
             record.end(entry)
-            log.info("reclaimed %s (%s on %s)", entry.name, format_size(entry.nbytes), entry.device)
+            log.info("reclaimed %s (%s on %s): %s", entry.name, format_size(entry.nbytes), entry.device, why)
 
-    def evict(self, entry: Entry) -> list[Entry]:
-        """Evict now, or once its leases end; returns what was dropped now."""
+    def evict(self, entry: Entry, why: str) -> list[Entry]:
+        """Evict now, or once its leases end (then `why` is said when the last one goes, as it
+        ends); returns what was dropped now."""
         dropped = self.cache.evict(entry)
-        self.reclaim(dropped)
+        self.reclaim(dropped, why)
+        if not dropped:
+            entry.evicted_why = why
         return dropped
 
     def supersede(self, entry: Entry) -> None:
@@ -340,7 +397,7 @@ class Residency:
         still leased keeps its name until that ends, so nothing loads the model beside it; then the
         config of that time has its model admitted as the entry goes (`_drop_loading`, `reclaim`),
         with no other reload."""
-        if not self.evict(entry):
+        if not self.evict(entry, "superseded: a reload changed or removed its model"):
             life(entry).superseded = True
 
     def cancel_loads(self) -> None:
@@ -354,10 +411,18 @@ class Residency:
         tick = min(1.0, self.state.config.daemon.lease_ttl_s / 10)
         while True:
             await asyncio.sleep(tick)
-            expired, dropped = self.cache.expire()
-            for lease in expired:
-                log.info("lease %d on %s (pid %d) expired: no heartbeat", lease.id, lease.entry.name, lease.pid)
-            self.reclaim(dropped)
+            while True:  # in batches, letting the loop answer others in between; one log line each
+                expired, dropped = self.cache.expire(EXPIRY_BATCH)
+                if expired:
+                    log.info("%s", describe_expired(expired))
+                last = {lease.entry: lease for lease in expired}
+                for entry in dropped:
+                    lease = last.get(entry)
+                    whose = f" (pid {lease.pid}, uid {lease.uid})" if lease is not None else ""
+                    self.reclaim([entry], ended(entry, f"its last lease expired: no heartbeat{whose}"))
+                if len(expired) < EXPIRY_BATCH:
+                    break
+                await asyncio.sleep(0)
 
     async def _drop_loading(self, entry: Entry, failed_check: bool = False) -> bool:
         """Drop an entry whose load, or whose check after re-adoption, ended without making it
@@ -373,8 +438,8 @@ class Residency:
             if model is not None and (superseded or (failed_check and entry.origin == "config"
                                                      and entry.state != "evicting")):
                 await self.admit_configured(model, replacing=entry)
-        finally:
-            self.reclaim(self.cache.load_failed(entry))  # if it was not replaced
+        finally:  # if it was not replaced
+            self.reclaim(self.cache.load_failed(entry), ended(entry, "its load or check ended without it"))
         return self.cache.entries.get(entry.name) not in (None, entry)
 
     def _model(self, name: str) -> ModelConfig | None:
@@ -405,9 +470,11 @@ class Residency:
         entry, victims = self.cache.admit(rec.name, rec.key, Manifest.build(()), rec.arena_size, rec.retention,
                                           rec.origin, rec.publisher if rec.origin == "publish" else os.getuid(),
                                           adopted=True)
+        entry.asked_by = rec.asked_by
         # systemd still holds the fds: never store them twice
         entry.life = Life(phase="checking", adopted=(rec, fd), parked=True)
-        self.reclaim(victims)
+        entry.load_phase = "checking"
+        self.reclaim(victims, f"least recently used, to make room for {rec.name} kept across a restart")
         entry.notes = [adoption.ADOPTING_NOTE]
         codes = rec.manifest_wire.get("dtypes")
         entry.recorded_tensors = len(codes) if isinstance(codes, bytes) else None
@@ -440,7 +507,7 @@ class Residency:
         if checked is None or gone():
             return
         entry.manifest, entry.notes = checked
-        entry.done_bytes = entry.manifest.nbytes
+        entry.done_bytes, entry.load_phase = entry.manifest.nbytes, ""
         entry.recorded_tensors = None
         if entry.state == "evicting":  # evicted while it was checked
             await self._drop_loading(entry)
@@ -449,10 +516,11 @@ class Residency:
         if "series" in entry.key.extra:
             layout = await asyncio.to_thread(entry.manifest.layout)
             try:
-                self.reclaim(self.cache.adopted_generation(entry, layout))
+                self.reclaim(self.cache.adopted_generation(entry, layout),
+                             f"past keep_generations ({self.cache.keep_generations}) once {entry.name} was adopted")
             except BadRequest as e:
                 log.warning("fd store: dropping %s: %s", entry.name, e.message)
-                self.reclaim(self.cache.load_failed(entry))
+                self.reclaim(self.cache.load_failed(entry), f"re-adopted but {e.message}")
                 return
         if entry.origin == "publish":
             self._verifier.keep_digest(entry, "digest at re-adoption after a restart")
@@ -513,6 +581,14 @@ class Residency:
                         "without waiting: it goes when this process exits", " and ".join(what), RELEASE_WAIT_S)
             self.hung = True
         return sum(1 for e in self.cache.entries.values() if life(e).parked)
+
+
+def ended(entry: Entry, how: str) -> str:
+    """Why `entry` went when a lease of it (or its load) ended `how`: it had been evicted (by whom),
+    or it was ephemeral."""
+    if entry.evicted_why:
+        return f"{entry.evicted_why}, and {how}"
+    return f"ephemeral, and {how}" if entry.retention == "ephemeral" else how
 
 
 class _EntryProgress:

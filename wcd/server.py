@@ -14,7 +14,6 @@ import errno
 import functools
 import logging
 import os
-import pwd
 import resource
 import signal
 import socket
@@ -28,14 +27,17 @@ from typing import Any
 
 from wcd import __version__, ops, protocol, socketpath, systemd, workers
 from wcd.cache import Cache
-from wcd.config import Config, counted, format_progress, format_size, load_config
+from wcd.config import Config, load_config
 from wcd.connection import Connection, Limits, Quotas, start_closers
 from wcd.devices import device_budgets
-from wcd.errors import BadRequest, Busy, ConfigError, NotFound, PermissionDenied, WcdError
+from wcd.errors import BadRequest, Busy, ConfigError, NotFound, PermissionDenied, ProtocolError, WcdError
 from wcd.metrics import Metrics
 from wcd.metrics_http import MetricsHttp
-from wcd.residency import RELEASE_WAIT_S, Residency
+from wcd.peers import peer_gids
+from wcd.refusals import Refusals
+from wcd.residency import RELEASE_WAIT_S, Residency, ended
 from wcd.state import ServerState
+from wcd.units import counted, describe_progress, format_size
 
 log = logging.getLogger("wcd")
 
@@ -60,6 +62,7 @@ class Server:
         self._where = ""  # what we listen on, for status
         self._tasks: set[asyncio.Task[Any]] = set()
         self._allowed_gids = config.daemon.allowed_gids()
+        self.refusals = Refusals()
         self._fd_limit = _raise_fd_limit()
         # Built by startup(), which needs the running loop and the devices' memory sizes:
         self.state: ServerState
@@ -89,6 +92,8 @@ class Server:
         budgets, devices = device_budgets(config, self.config_path or "")
         counted = time.monotonic()
         cache = Cache(budgets, config.daemon.lease_ttl_s, max_entries=config.daemon.max_entries,
+                      max_entries_per_uid=config.daemon.max_entries_per_uid,
+                      max_leases_per_uid=config.daemon.max_leases_per_uid,
                       keep_generations=config.daemon.keep_generations)
         self.state = ServerState(config, self.instance, cache, devices, self.started_at)
         self.state.where = self._where
@@ -145,6 +150,7 @@ class Server:
         if self.metrics_http is not None:
             await self.metrics_http.stop()
         self._unlisten()
+        self.refusals.close()
         for conn in list(self.state.connections):
             conn.close()
         self.residency.cancel_loads()
@@ -179,6 +185,9 @@ class Server:
             self._notify("ready", f"reload failed: {e.message}"[:200])
             return
         fresh = {m.name: m for m in new.models}
+        for name, failure in list(cache.failures.items()):
+            if failure.origin == "config" and name not in fresh:
+                cache.forget_failure(name)  # its model left the config; a failed one still there is tried again below
         for name, model in old.items():
             if fresh.get(name) != model and name in cache.entries:
                 log.info("reload: %s was removed or changed; evicting it once its leases end, or its load "
@@ -193,9 +202,12 @@ class Server:
         new.daemon.socket = current.daemon.socket
         self.state.config = new
         self._allowed_gids = new.daemon.allowed_gids()
+        self.refusals.forget()
         cache.lease_ttl_s = new.daemon.lease_ttl_s
         cache.max_entries = new.daemon.max_entries
         cache.keep_generations = new.daemon.keep_generations
+        cache.max_entries_per_uid = new.daemon.max_entries_per_uid
+        cache.max_leases_per_uid = new.daemon.max_leases_per_uid
         self.quotas.limits = self._limits(new)
         for model in fresh.values():
             if model.name not in cache.entries:
@@ -271,19 +283,23 @@ class Server:
                     loop.remove_reader(self._listener.fileno())
                     loop.call_later(ACCEPT_PAUSE_S, loop.add_reader, self._listener.fileno(), self._accept)
                 return
-            sock.setblocking(False)
             pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+            # Refused before anything is set up for the connection: a flood of them costs the loop
+            # an accept and a send each, and the log a line per uid and interval.
+            if not self.refusals.denied(uid) and not self._allowed(uid, gid):
+                self.refusals.deny(uid)  # for the interval: a flood costs no look-ups of users and groups
+            if self.refusals.denied(uid):
+                self.refusals.refuse(sock, uid, pid, PermissionDenied(
+                    f"uid {uid} is not allowed to use this daemon: add it to allowed_uids, or the user to a "
+                    f"group in allowed_groups, in the daemon's config", {"uid": uid}), "not allowed")
+                continue
             refusal = self.quotas.refusal(uid)
+            if refusal is not None:
+                self.refusals.refuse(sock, uid, pid, refusal, str(refusal.details.get("limit", "busy")))
+                continue
+            sock.setblocking(False)
             conn = Connection(sock, pid, uid, gid, functools.partial(ops.dispatch, self._ops), self._connection_lost,
                               self.quotas)
-            if not self._allowed(uid, gid):
-                conn.fail(PermissionDenied(
-                    f"uid {uid} is not allowed to use this daemon: add it to allowed_uids, or the user to a "
-                    f"group in allowed_groups, in the daemon's config", {"uid": uid}))
-                continue
-            if refusal is not None:
-                conn.fail(refusal)
-                continue
             self.state.connections.add(conn)
 
     def _allowed(self, uid: int, gid: int) -> bool:
@@ -291,30 +307,32 @@ class Server:
             return True
         if not self._allowed_gids:
             return False
-        if gid in self._allowed_gids:
-            return True
-        try:
-            user = pwd.getpwuid(uid)
-        except KeyError:
-            return False
-        return bool(self._allowed_gids.intersection(os.getgrouplist(user.pw_name, user.pw_gid)))
+        return not self._allowed_gids.isdisjoint(peer_gids(uid, gid))
 
     def _connection_lost(self, conn: Connection) -> None:
         self.state.connections.discard(conn)
         self.state.watchers.drop(conn)
-        self.residency.reclaim(self.state.cache.drop_owner(conn))
+        for entry in self.state.cache.drop_owner(conn):
+            how = "its publisher's connection closed before the commit" if entry.state == "filling" else \
+                f"the connection holding its last lease closed (pid {conn.pid}, uid {conn.uid})"
+            self.residency.reclaim([entry], ended(entry, how))
 
     async def _close_idle(self) -> None:
-        """Forever: close connections that said no hello in time, or sit silent holding nothing."""
+        """Forever: close connections that said no hello in time, take too long over a request, or sit
+        silent holding nothing."""
         loop = asyncio.get_running_loop()
         while True:
             daemon = self.state.config.daemon
-            await asyncio.sleep(min(1.0, daemon.hello_timeout_s / 4, daemon.idle_timeout_s / 4))
+            await asyncio.sleep(min(1.0, daemon.hello_timeout_s / 4, daemon.idle_timeout_s / 4,
+                                    daemon.frame_timeout_s / 4))
             now = loop.time()
             for conn in list(self.state.connections):
                 if not conn.hello and now - conn.opened_at > daemon.hello_timeout_s:
                     conn.fail(Busy(f"no hello within {daemon.hello_timeout_s:g} s of connecting (hello_timeout_s)",
                                    {"limit": "hello_timeout_s"}))
+                elif conn.frame_overdue(now, daemon.frame_timeout_s):
+                    conn.fail(ProtocolError(f"a request still not whole {daemon.frame_timeout_s:g} s after its first "
+                                            "byte (frame_timeout_s): send each request whole"))
                 elif (now - conn.last_active > daemon.idle_timeout_s and not conn.tasks
                       and not self.state.cache.leases_of(conn)):
                     # Quietly: the client library reconnects on its next request.
@@ -345,10 +363,15 @@ class Server:
         if loading:
             e = loading[0]
             more = f" (+{len(loading) - 1} more)" if len(loading) > 1 else ""
-            return f"loading {e.name} {format_progress(e.done_bytes, e.manifest.nbytes)}{more}"
+            return f"loading {e.name} {describe_progress(e.describe()['progress'])}{more}"
         held = sum(e.nbytes for e in cache.entries.values())
+        failed = ""
+        if cache.failures:
+            name, failure = next(reversed(cache.failures.items()))
+            more = f" (+{len(cache.failures) - 1} more)" if len(cache.failures) > 1 else ""
+            failed = f"; {name} failed: {failure.reason}{more}"
         return (f"serving {counted(len(cache.entries), 'entry')}, {counted(len(cache.leases), 'lease')}, "
-                f"{format_size(held)}")
+                f"{format_size(held)}{failed}")
 
     async def _report_status(self) -> None:
         last = ""

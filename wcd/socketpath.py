@@ -36,8 +36,7 @@ class Claim:
         held no other daemon binds here, so what is unlinked is ours)."""
         self.sock.close()
         self.path.unlink(missing_ok=True)
-        lock_path(self.path).unlink(missing_ok=True)
-        os.close(self._lock_fd)
+        _unlock(self.path, self._lock_fd)
 
 
 def lock_path(path: Path) -> Path:
@@ -57,7 +56,7 @@ def claim(path: Path, groups: list[str]) -> Claim:
             _check_replaceable(path)
             sock = _bind_at(path, groups)
         except BaseException:
-            os.close(lock_fd)
+            _unlock(path, lock_fd)
             raise
     except PermissionError:
         raise
@@ -127,6 +126,13 @@ def _lock(path: Path) -> int:
             return fd
         os.close(fd)  # locked a file its owner removed on the way out: take the new one
     raise Busy(f"{where} keeps changing hands; is a daemon restarting in a loop?")
+
+
+def _unlock(path: Path, fd: int) -> None:
+    """Remove the lock file, then let go of it (a daemon that opened it meanwhile finds, once it
+    has the lock, that the file is gone, and takes a new one)."""
+    lock_path(path).unlink(missing_ok=True)
+    os.close(fd)
 
 
 def _check_replaceable(path: Path) -> None:

@@ -209,9 +209,11 @@ def _munmap(addr: int, size: int) -> None:
 
 
 def _check_size(fd: int, size: int) -> None:
-    actual = os.fstat(fd).st_size
-    if actual < size:
-        raise BadRequest(f"host arena holds {actual} bytes, fewer than the {size} its reply announced")
+    """A read lease's host arena must be a memfd of `size` bytes sealed against any change."""
+    problem = memfd_problem(fd, size, SEALS)
+    if problem:
+        raise BadRequest(f"refusing to map the host arena: {problem} (the daemon or its publisher did not hand "
+                         "out a sealed arena)")
 
 
 def map_arena(arena: dict[str, Any], fd: int, manifest: Manifest, writable: bool,
@@ -224,7 +226,7 @@ def map_arena(arena: dict[str, Any], fd: int, manifest: Manifest, writable: bool
         if size < manifest.size:
             raise BadRequest(f"arena of {size} bytes is smaller than its manifest ({manifest.size})")
         if kind == "host" and remappable and not writable:
-            host = HostMapping(fd, size)
+            host = HostMapping(fd, size)  # checks the seals as below
             return MappedArena(host.take_base(), manifest, host)
         if kind == "host":
             # Fill leases may still write; what a reader maps must not change or shrink under it.

@@ -15,7 +15,7 @@ import socket
 import struct
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import msgpack
 
@@ -33,6 +33,9 @@ MAX_LEASES_PER_HEARTBEAT = 4096
 MAX_REQUEST_ARRAY = MAX_LEASES_PER_HEARTBEAT
 # The longest array a reply holds (`list`'s entries, up to the daemon's max_entries).
 MAX_REPLY_ARRAY = 1 << 20
+# What becomes of an entry nobody leases: kept (`pinned`), kept until memory is needed (`cached`),
+# or dropped with its last lease (`ephemeral`). Requests, the cache and the config share this one.
+Retention = Literal["pinned", "cached", "ephemeral"]
 _LEN = struct.Struct(">I")
 
 

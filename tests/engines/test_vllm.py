@@ -292,3 +292,28 @@ def test_tensor_parallel_ranks_publish_and_attach_their_own_shards(make_daemon, 
         engine.stop()
     same_outputs(second, first)  # TP=2 attached == TP=2 loaded from disk
     assert len(d.entries()) == 3  # nothing published twice; the TP=1 entry was never attached by TP=2
+
+
+def test_a_crafted_processed_entry_is_a_reason_to_load_another_way(plugin, tmp_path):
+    """fallback = true holds for an entry whose reply no client can map (another uid crafted it,
+    an older daemon took it): the loader's lookup gets one WcdError, never a TypeError, and says
+    why it loads another way."""
+    from vllm.config.load import LoadConfig
+
+    from tests.integration.peers import Impostor
+    from tests.integration.test_hardening_arena import CRAFTED, GOOD_REPLY
+    from wcd.client import Client
+    from wcd.integrations.vllm_loader import WcdModelLoader
+    from wcd.key import WeightCacheKey
+
+    socket = tmp_path / "impostor.sock"
+    impostor = Impostor(socket, {**GOOD_REPLY, **CRAFTED["manifest: zero-size, strides of 2**96"]})
+    try:
+        loader = WcdModelLoader(LoadConfig(load_format="wcd", model_loader_extra_config={"socket": str(socket)}))
+        assert loader.options.fallback
+        reasons: list[str] = []
+        with Client(socket, heartbeats=False) as c:
+            assert loader._find_processed(c, WeightCacheKey(model="m", transform="test"), reasons) is None
+        assert len(reasons) == 1 and reasons[0].startswith("processed lookup failed (bad_reply: "), reasons
+    finally:
+        impostor.close()

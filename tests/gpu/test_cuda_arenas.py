@@ -7,6 +7,7 @@ that poisons the context, a SIGKILLed exporter, another device enumeration).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import hashlib
 import json
@@ -51,7 +52,9 @@ def backend() -> Any:
     from wcd.arenas.cuda import CudaBackend
 
     # Staging buffers smaller than the copy chunks, so the writer's splitting and buffer rotation run.
-    return CudaBackend(staging_bytes=1 * MiB, staging_buffers=2)
+    from wcd.tuning import LoadTuning
+
+    return CudaBackend(LoadTuning(staging_bytes=1 * MiB, staging_buffers=2))
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +125,8 @@ def test_create_and_export_without_a_cuda_context() -> None:
     out = run_child("""
         import json, time
         from cuda.bindings import driver as cuda
-        from wcd.arenas.cuda import CudaBackend, _nvml
+        from wcd.arenas.cuda import CudaBackend
+        from wcd.arenas.cuda_driver import _nvml
         b = CudaBackend()
         t0 = time.perf_counter()
         a = b.create("cuda:0", b.arena_size(3 << 30, "cuda:0"), "noctx")
@@ -223,13 +227,15 @@ def test_verify_reads_back_and_compares_in_one_pass(backend: Any, uuid: str, che
     from wcd import loader
     from wcd.arenas import cuda
     from wcd.arenas.host import HostArena
-    from wcd.checkpoint import Checkpoint, read_header
+    from wcd.checkpoint import Checkpoint
+    from wcd.headers import read_header
     from wcd.loader import Progress, digest_arena, fill_arena, verify_arena
 
     # 1 MiB pieces: b.big (6 MiB) spans several, the small tensors share tasks.
     monkeypatch.setattr(loader, "DIGEST_CHUNK", 1 * MiB)
     if window:
-        monkeypatch.setattr(cuda, "READ_WINDOW", window)
+        staging = backend.staging(cuda.find_gpu(uuid))
+        monkeypatch.setattr(staging, "tuning", dataclasses.replace(staging.tuning, read_window=window))
     d = tmp_path / "ckpt"
     shutil.copytree(checkpoint_dir, d)
     with Checkpoint.open(d) as ckpt:
@@ -322,7 +328,7 @@ def test_staging_lingers_between_loads_and_cold_files_leave_the_page_cache(tmp_p
 
 
 def test_cold_files_are_read_with_o_direct_exactly_and_stay_out_of_the_page_cache(tmp_path: Path) -> None:
-    """The default `cold_reads = "direct"`: 512 KiB O_DIRECT reads (DIRECT_READ_BYTES) from an
+    """The default `cold_reads = "direct"`: 512 KiB O_DIRECT reads (`LoadTuning.direct_read_bytes`) from an
     unaligned offset to an unaligned end, their copies queued keeping the GIL (`HeldCalls`), land
     byte for byte; the lanes keep their 4 MiB buffers (nothing larger pinned) and the file's pages
     never enter the page cache."""
@@ -350,7 +356,7 @@ def test_cold_files_are_read_with_o_direct_exactly_and_stay_out_of_the_page_cach
         res["cached_after"] = cached_fraction(fd)
         staging = b.staging(cuda.find_gpu("cuda:0"))
         res["lane_bytes"] = max(lane.nbytes for lane in staging._free)
-        res["read_bytes"] = cuda.DIRECT_READ_BYTES
+        res["read_bytes"] = b.tuning.direct_read_bytes
         res["bytes_ok"] = a.read(0, {n} - 4095) == open({str(path)!r}, "rb").read()[4095:]
         a.close()
         b.release()

@@ -107,20 +107,22 @@ def test_writer_fills_small_tensors_exactly_either_way(small_ckpt: Path, monkeyp
                                                        path: str, staging: int) -> None:
     """40,000-byte buffers cut 16,000-byte rows at their ends, and are too small to gather into."""
     from wcd.arenas import cuda
+    from wcd.arenas import staging as lanes
     from wcd.checkpoint import Checkpoint
     from wcd.loader import Progress, fill_arena
+    from wcd.tuning import LoadTuning
 
-    backend = cuda.CudaBackend(staging_bytes=staging, staging_buffers=2, linger_s=0)
+    backend = cuda.CudaBackend(LoadTuning(staging_bytes=staging), linger_s=0)
     uuid = backend.canonical("cuda:0")
     with Checkpoint.open(small_ckpt) as ckpt:
         manifest = ckpt.manifest()
         plan = ckpt.copy_plan(manifest)
         assert sum(1 for op in plan if op.runs and cuda.scatter_pays(op.runs)) > 10  # the writer's own choice
         if path == "scatter":
-            monkeypatch.setattr(cuda, "SCATTER_PIECES_PER_COPY", 0)
-            monkeypatch.setattr(cuda, "SCATTER_MIN_ROW", 0)
+            monkeypatch.setattr(lanes, "SCATTER_PIECES_PER_COPY", 0)
+            monkeypatch.setattr(lanes, "SCATTER_MIN_ROW", 0)
         elif path == "gather":
-            monkeypatch.setattr(cuda, "SCATTER_PIECES_PER_COPY", 10**9)
+            monkeypatch.setattr(lanes, "SCATTER_PIECES_PER_COPY", 10**9)
         arena = backend.create(uuid, backend.arena_size(manifest.size, uuid), "small-test")
         try:
             progress = Progress(ckpt.nbytes)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -61,6 +63,19 @@ def make_daemon(tmp_path: Path) -> Iterator[Any]:
             d.proc.wait()
 
 
+@pytest.fixture
+def shared_socket() -> Iterator[Path]:
+    """A socket path another uid can reach (pytest's tmp dirs are root's alone)."""
+    if os.getuid() != 0:
+        pytest.skip("needs root, to connect as another uid")
+    where = Path(tempfile.mkdtemp(prefix="wcd-harden-"))
+    where.chmod(0o755)
+    yield where / "wcd.sock"
+    for p in where.iterdir():
+        p.unlink()
+    where.rmdir()
+
+
 def mixed_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
     """Every dtype family the arena must carry, plus a scalar and a zero-size tensor."""
     g = torch.Generator().manual_seed(seed)
@@ -100,7 +115,7 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def flip_stored_byte(shard: Path, name: str, at: int = 100) -> None:
     """Flip one bit of tensor `name`'s bytes in the safetensors file `shard`, in place."""
-    from wcd.checkpoint import read_header
+    from wcd.headers import read_header
 
     [t] = [t for t in read_header(shard).tensors if t.name == name]
     with open(shard, "r+b") as f:
@@ -120,6 +135,17 @@ def sparse_checkpoint(path: Path, nbytes: int) -> Path:
         f.write(len(header).to_bytes(8, "little") + header)
         f.truncate(8 + len(header) + nbytes)
     return path
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A directory other uids can write to, like /tmp (pytest's tmp_path is root's alone)."""
+    d = Path(tempfile.mkdtemp(prefix="wcd-trust-", dir="/tmp"))
+    d.chmod(0o1777)
+    yield d
+    for p in sorted(d.rglob("*"), reverse=True):
+        p.unlink() if not p.is_dir() or p.is_symlink() else p.rmdir()
+    d.rmdir()
 
 
 @pytest.fixture(autouse=True)

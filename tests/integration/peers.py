@@ -1,15 +1,19 @@
 """The attacker's side of the hardening tests: one connection speaking the wire protocol by hand
-(frames and fds out, frames in), as a hostile peer would, not through `wcd.client`."""
+(frames and fds out, frames in), as a hostile peer would, not through `wcd.client`; and a daemon
+doing the same (`Impostor`), for what a client must refuse."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 import struct
+import threading
 from pathlib import Path
 from typing import Any
 
 from wcd import wire
+from wcd.arenas.base import SEALS
 from wcd.manifest import DTYPES
 
 
@@ -33,7 +37,7 @@ class Raw:
         Raw.opened.append(self)
         self.sock.connect(str(path))
         self.sock.settimeout(30)
-        self.dec = wire.FrameDecoder()
+        self.dec = wire.FrameDecoder(max_array=wire.MAX_REPLY_ARRAY)  # it reads replies
         self.ids = iter(range(1, 1 << 62))
         if hello:
             reply = self.call({"op": "hello", "versions": [2]})
@@ -86,3 +90,60 @@ class Raw:
 
     def close(self) -> None:
         self.sock.close()
+
+
+class Impostor:
+    """A daemon speaking the wire protocol by hand, to hand clients what no wcd daemon sends today
+    (an older daemon, or an entry another uid crafted before the daemon checked it): it says hello,
+    answers `acquire` with `lease_reply` and a sealed 4 KiB memfd, `list` with
+    no entries and everything else with ok. One thread per connection; `close` stops it."""
+
+    def __init__(self, path: Path, lease_reply: dict[str, Any]) -> None:
+        self.lease_reply = lease_reply
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(str(path))
+        self.listener.listen()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._talk, args=(conn,), daemon=True).start()
+
+    def _talk(self, conn: socket.socket) -> None:
+        dec = wire.FrameDecoder()
+        with conn:
+            while True:
+                while (item := dec.next_message()) is None:
+                    data = conn.recv(1 << 16)
+                    if not data:
+                        return
+                    dec.feed(data)
+                msg, _ = item
+                op, req_id = msg.get("op"), msg.get("id")
+                if op == "hello":
+                    conn.sendall(wire.encode(wire.ok(req_id, version=2, server="impostor", features=["host-arenas"],
+                                                     lease_ttl_s=30.0, pid=os.getpid(), uid=os.getuid())))
+                elif op == "acquire":
+                    fd = _sealed_memfd(4096)
+                    try:
+                        socket.send_fds(conn, [wire.encode(wire.ok(req_id, **self.lease_reply), nfds=1)], [fd])
+                    finally:
+                        os.close(fd)
+                elif op == "list":
+                    conn.sendall(wire.encode(wire.ok(req_id, entries=[])))
+                else:
+                    conn.sendall(wire.encode(wire.ok(req_id)))
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def _sealed_memfd(size: int) -> int:
+    fd = os.memfd_create("impostor", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    return fd

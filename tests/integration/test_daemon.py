@@ -109,7 +109,7 @@ def test_killed_publisher_loses_its_reservation(make_daemon):
     d = make_daemon()
     script = f"""
 import sys, time, torch
-from wcd.checkpoint import read_header
+from wcd.headers import read_header
 from wcd.client import Client
 from wcd.key import WeightCacheKey
 c = Client({str(d.socket)!r})

@@ -13,10 +13,8 @@ import socket
 import stat
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,17 +37,6 @@ GiB = 1 << 30
 
 
 # -- helpers ---------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def shared_dir() -> Iterator[Path]:
-    """A directory other uids can write to, like /tmp (pytest's tmp_path is root's alone)."""
-    d = Path(tempfile.mkdtemp(prefix="wcd-trust-", dir="/tmp"))
-    d.chmod(0o1777)
-    yield d
-    for p in sorted(d.rglob("*"), reverse=True):
-        p.unlink() if not p.is_dir() or p.is_symlink() else p.rmdir()
-    d.rmdir()
 
 
 def as_user(uid: int, body: str) -> subprocess.CompletedProcess[str]:

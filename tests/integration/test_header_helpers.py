@@ -124,7 +124,7 @@ def test_a_bad_name_in_a_piece_is_refused_by_the_layout_as_without_helpers(helpe
 @pytest.mark.slow
 def test_names_the_helpers_checked_are_not_checked_again_by_the_layout(helpers: HeaderHelpers, tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    from wcd import checkpoint, manifest
+    from wcd import checkpoint, headers, manifest
 
     ckpt = experts(tmp_path / "m", 3, 12_000)
     want = laid_out(ckpt)
@@ -136,6 +136,7 @@ def test_names_the_helpers_checked_are_not_checked_again_by_the_layout(helpers: 
         return names_valid(names)
 
     monkeypatch.setattr(checkpoint, "names_valid", counting)
+    monkeypatch.setattr(headers, "names_valid", counting)
     monkeypatch.setattr(manifest, "names_valid", counting)
     with Checkpoint.open(ckpt, helpers=helpers) as opened_ckpt:
         assert opened_ckpt.helped and all(h.names_checked for h in opened_ckpt.headers)
@@ -440,7 +441,7 @@ def sized(payload: bytes) -> bytes:
 
 
 def wrong_columns(raw: bytes, data_size: int, change: Callable[[list[Any]], None]) -> bytes:
-    from wcd.checkpoint import header_columns
+    from wcd.headers import header_columns
 
     columns = list(header_columns(raw, data_size))
     change(columns)

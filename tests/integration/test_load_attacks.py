@@ -81,7 +81,7 @@ def test_a_shard_linked_to_a_root_only_file_is_not_served(make_daemon, tmp_path:
         os.link(secret, d / "model-00002-of-00002.safetensors")
         with pytest.raises(LoadFailed, match=f"the owner of its directory \\(uid {NOBODY}\\) may not read it"):
             c.load("m", d, wait=True)
-        assert c.list() == []
+        assert [(e["name"], e["state"], e["bytes"]) for e in c.list()] == [("m", "failed", 0)]  # nothing served
     assert worst[0] < 0.05
 
 
@@ -124,7 +124,8 @@ def test_a_checkpoint_overwritten_during_a_load_fails_it(make_daemon, tmp_path: 
         with pytest.raises(WcdError) as info:
             c.acquire("m").release()
         assert info.value.code == "not_found"
-        assert c.list() == []
+        [failed] = c.list()  # nothing served; the failure is listed with its reason
+        assert failed["state"] == "failed" and "changed while it was being loaded" in failed["reason"]
     assert "model.safetensors changed while it was being loaded" in daemon.log.read_text()
     assert worst[0] < 0.05
     with daemon.client() as c:  # complete again: it loads

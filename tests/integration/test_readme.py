@@ -119,7 +119,7 @@ def test_the_vllm_log_lines_are_what_the_loader_prints() -> None:
 
 
 def test_every_vllm_loader_option_is_documented() -> None:
-    from wcd.integrations.vllm import _OPTIONS
+    from wcd.integrations.vllm_shared import _OPTIONS
 
     documented = set(re.findall(r"^\| `(\w+)` \|", README, re.M))
     assert _OPTIONS <= documented, f"undocumented options: {sorted(_OPTIONS - documented)}"

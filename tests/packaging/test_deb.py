@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "packaging" / "build-deb.sh"
 SYSTEM_PYTHON = "/usr/bin/python3"
 # The dependencies the daemon needs (pyproject.toml), vendored as these top-level modules.
-VENDORED = ["msgpack", "pydantic", "pydantic_core", "uvloop", "sdnotify", "safetensors", "prometheus_client"]
+VENDORED = ["msgpack", "pydantic", "pydantic_core", "uvloop", "sdnotify", "safetensors", "prometheus_client", "tqdm"]
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ def test_contents(debs: Debs) -> None:
                  "usr/lib/sysusers.d/wcd.conf", "usr/lib/tmpfiles.d/wcd.conf", "etc/wcd/example.toml",
                  "usr/lib/wcd/wcd/__init__.py", "usr/lib/wcd/wcd/cli/wcdctl.py",
                  "usr/share/man/man1/wcd.1.gz", "usr/share/man/man1/wcdctl.1.gz",
-                 "usr/share/doc/wcd/copyright", "usr/share/doc/wcd/README.Debian"):
+                 "usr/share/doc/wcd/copyright", "usr/share/doc/wcd/README.Debian", "usr/share/wcd/grafana/wcd.json"):
         assert files.get(path, "").startswith("-rw-r--r--"), (path, files.get(path))
     top = {p.split("/")[3] for p in files if p.startswith("usr/lib/wcd/") and p.count("/") >= 3}
     for module in VENDORED:
@@ -176,6 +176,7 @@ def test_units_and_snippets_are_the_repositorys(debs: Debs) -> None:
                             ("usr/lib/tmpfiles.d/wcd.conf", "wcd.tmpfiles"),
                             ("etc/wcd/example.toml", "example.toml")):
         assert member(debs.wcd, shipped) == (ROOT / "systemd" / source).read_bytes(), shipped
+    assert member(debs.wcd, "usr/share/wcd/grafana/wcd.json") == (ROOT / "packaging/grafana/wcd.json").read_bytes()
     service = member(debs.wcd, "usr/lib/systemd/system/wcd@.service").decode()
     exec_start = re.search(r"^ExecStart=(\S+)", service, re.M)
     assert exec_start and exec_start.group(1) == "/usr/bin/wcd"

@@ -1,11 +1,13 @@
 """A fake of the part of cuda-bindings' driver API that a `CudaWriter` uses, without torch: device
 memory is a bytearray, and copies are queued per stream and run only when an event or the stream
 is synchronised (as a GPU would run them later), so a staging buffer reused too early shows up as
-wrong bytes. Used by test_cuda_scatter.py and bench/cuda_calls.py."""
+wrong bytes. Used by test_cuda_scatter.py, test_staging.py and test_backend_for.py."""
 
 from __future__ import annotations
 
 import ctypes
+import importlib
+import sys
 import types
 from collections.abc import Callable
 from typing import Any
@@ -15,8 +17,51 @@ DEVICE_BASE = 1 << 44
 PAD = 0xEE  # what device memory holds before the fill
 
 
+# The daemon's CUDA arena modules that import cuda-bindings, lowest first.
+CUDA_MODULES = ("wcd.arenas.cuda_driver", "wcd.arenas.staging", "wcd.arenas.cuda")
+
+
+class ArenaModules:
+    """`wcd.arenas.cuda` and the modules it is built from (`CUDA_MODULES`, `direct_io`, `pagecache`)
+    as one namespace: a name is read from the first that has it, and set in every one that has it,
+    so that a test (monkeypatch) replaces what the code calls wherever it is called from. Names no
+    module has (a test's own state) are kept here. No `__dict__`: monkeypatch restores through
+    getattr/setattr then."""
+
+    __slots__ = ("_modules", "_own")
+
+    def __init__(self) -> None:
+        names = ("wcd.arenas.cuda", "wcd.arenas.staging", "wcd.arenas.cuda_driver", "wcd.arenas.direct_io",
+                 "wcd.pagecache")
+        object.__setattr__(self, "_modules", [importlib.import_module(name) for name in names])
+        object.__setattr__(self, "_own", {})
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if name in self._own:
+            return self._own[name]
+        for module in self._modules:
+            if name in vars(module):
+                return vars(module)[name]
+        raise AttributeError(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        holders = [module for module in self._modules if name in vars(module)]
+        if not holders:
+            self._own[name] = value
+        for module in holders:
+            setattr(module, name, value)
+
+
+def forget_cuda_modules() -> None:
+    """Drop `CUDA_MODULES` from sys.modules, so the next import binds them to the cuda-bindings there now."""
+    for name in CUDA_MODULES:
+        sys.modules.pop(name, None)
+
+
 def held_calls(module: Any) -> types.SimpleNamespace:
-    """What `wcd.arenas.cuda._held` gives (the copy loop's GIL-keeping driver calls), through
+    """What `wcd.arenas.cuda_driver.held` gives (the copy loop's GIL-keeping driver calls), through
     `module.cuda`'s functions as they are when called: a fake's, or a test's stand-ins."""
     return types.SimpleNamespace(
         memcpy_htod_async=lambda dst, src, nbytes, stream: module.cuda.cuMemcpyHtoDAsync(dst, src, nbytes, stream)[0],

@@ -73,6 +73,7 @@ class Rec:
     retention: str = "cached"
     origin: str = "publish"
     publisher: int = 0
+    asked_by: int | None = None
     gate: threading.Event | None = None
     manifest_wire: dict[str, Any] = field(default_factory=lambda: Manifest.build([("w", "F32", [4])]).to_wire())
 
@@ -193,8 +194,8 @@ def test_a_second_evict_during_the_check_drops_the_entry_quietly(monkeypatch: py
         task = asyncio.ensure_future(check(res, entry, arena_fd()))
         await asyncio.to_thread(backend.entered.wait, 5)
         await asyncio.sleep(0.1)
-        res.evict(entry)  # wcdctl evict m: marked evicting (it is loading)
-        res.evict(entry)  # again (or a second SIGHUP's supersede): dropped now, its arena closed
+        res.evict(entry, "evicted by a test")  # wcdctl evict m: marked evicting (it is loading)
+        res.evict(entry, "evicted by a test")  # again (or a second SIGHUP's supersede): dropped now, its arena closed
         gate.set()
         await task
         assert "m" not in res.cache.entries
@@ -318,8 +319,8 @@ def test_an_old_entrys_end_does_not_take_the_reload_flag_of_a_new_entry_of_its_n
     async def main() -> None:
         res = make()
         first = res._adopt(Rec("m", WeightCacheKey(model="m")), arena_fd())
-        res.evict(first)
-        res.evict(first)  # dropped now; its check (say) still runs
+        res.evict(first, "evicted by a test")
+        res.evict(first, "evicted by a test")  # dropped now; its check (say) still runs
         assert "m" not in res.cache.entries
         second = res._adopt(Rec("m", WeightCacheKey(model="m")), arena_fd())
         res.supersede(second)  # a reload changed "m" while the new entry loads

@@ -14,6 +14,7 @@ from unittest import mock
 import pytest
 
 import wcd.arenas
+from tests.unit.fake_cuda import CUDA_MODULES, forget_cuda_modules
 from wcd.arenas import backend_for, cuda_requirement, cudrv, device_memory, start_driver
 from wcd.arenas.cudrv import Gpu
 from wcd.errors import DeviceUnavailable
@@ -21,17 +22,19 @@ from wcd.errors import DeviceUnavailable
 
 @pytest.fixture
 def fresh(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """No backend chosen yet and wcd.arenas.cuda not imported, so each test imports it anew (and
-    the copy bound to fake bindings is gone afterwards)."""
+    """No backend chosen yet and the CUDA arena modules not imported, so each test imports them anew
+    (and the copies bound to fake bindings are gone afterwards)."""
     monkeypatch.setattr(wcd.arenas, "_backends", {})
-    real = sys.modules.pop("wcd.arenas.cuda", None)
+    real = {name: sys.modules.pop(name) for name in CUDA_MODULES if name in sys.modules}
     yield
-    sys.modules.pop("wcd.arenas.cuda", None)
-    if real is not None:
-        sys.modules["wcd.arenas.cuda"] = real
-        wcd.arenas.cuda = real  # type: ignore[attr-defined]
-    elif hasattr(wcd.arenas, "cuda"):
-        del wcd.arenas.cuda  # type: ignore[attr-defined]
+    forget_cuda_modules()
+    for name in CUDA_MODULES:
+        attr = name.rpartition(".")[2]
+        if name in real:
+            sys.modules[name] = real[name]
+            setattr(wcd.arenas, attr, real[name])
+        elif hasattr(wcd.arenas, attr):
+            delattr(wcd.arenas, attr)
 
 
 def test_the_cuda_extra_requirement_comes_from_the_installed_metadata() -> None:

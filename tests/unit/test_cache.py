@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+import time
 from typing import Any
 
 import pytest
 
-from wcd.cache import Cache, Entry
+from wcd.cache import Cache, Entry, LeaseRecord, describe_expired
 from wcd.errors import BadRequest, Busy, KeyMismatch, LeaseExpired, NotFound, OutOfMemory, PermissionDenied
 from wcd.key import WeightCacheKey
 from wcd.manifest import Manifest
@@ -37,6 +39,7 @@ def cache(clock: Clock) -> Cache:
 
 
 MANIFEST = Manifest.build([("w", "F32", (4, 4)), ("b", "F32", (4,))])
+LOADS = (None,)  # whose entries a lookup by key takes here: `admit` below gives none a publisher
 
 
 def key(model: str, **fields: Any) -> WeightCacheKey:
@@ -90,7 +93,7 @@ def test_duplicate_name_is_busy(cache: Cache) -> None:
 
 def test_duplicate_key_is_busy(cache: Cache) -> None:
     admit(cache, "a", 10)
-    with pytest.raises(Busy, match="this key already exists: 'a'"):
+    with pytest.raises(Busy, match="already has an entry with this key: .a."):
         cache.admit("a2", key("a"), MANIFEST, 10, "cached", "load")
     assert set(cache.entries) == {"a"}
 
@@ -504,16 +507,16 @@ def test_find_by_name(cache: Cache) -> None:
 
 def test_find_by_key(cache: Cache) -> None:
     e = admit(cache, "llama", 100, dtype="bf16", shard={"tp_rank": 0})
-    assert cache.find(key("llama", dtype="bf16", shard={"tp_rank": 0})) is e
-    assert cache.by_key(key("llama")) is None
+    assert cache.find(key("llama", dtype="bf16", shard={"tp_rank": 0}), LOADS) is e
+    assert cache.by_key(key("llama"), LOADS) is None
     with pytest.raises(NotFound, match="no entry for model 'qwen'"):
-        cache.find(key("qwen", dtype="bf16"))
+        cache.find(key("qwen", dtype="bf16"), LOADS)
 
 
 def test_find_near_miss_names_the_differing_fields(cache: Cache) -> None:
     admit(cache, "llama", 100, dtype="fp16", transform="t", device="cuda:0")
     with pytest.raises(KeyMismatch) as info:
-        cache.find(key("llama", dtype="bf16"))
+        cache.find(key("llama", dtype="bf16"), LOADS)
     assert info.value.details["fields"] == ["dtype", "transform", "device"]
     assert info.value.details["entry"] == "llama"
 
@@ -522,7 +525,7 @@ def test_find_near_miss_reports_the_nearest_entry(cache: Cache) -> None:
     cache.admit("far", key("m", dtype="fp16", extra={"v": "1"}), MANIFEST, 1, "cached", "load")
     cache.admit("near", key("m", dtype="fp16"), MANIFEST, 1, "cached", "load")
     with pytest.raises(KeyMismatch) as info:
-        cache.find(key("m", dtype="bf16"))
+        cache.find(key("m", dtype="bf16"), LOADS)
     d = info.value.details
     assert d["fields"] == ["dtype"] and d["entry"] == "near"
     assert d["resident"] == {"dtype": "fp16"} and d["requested"] == {"dtype": "bf16"}
@@ -532,7 +535,7 @@ def test_find_near_miss_reports_the_nearest_entry(cache: Cache) -> None:
 def test_find_near_miss_details_are_plain_data(cache: Cache) -> None:
     cache.admit("a", key("m", shard={"tp_rank": 0}), MANIFEST, 1, "cached", "load")
     with pytest.raises(KeyMismatch) as info:
-        cache.find(key("m", shard={"tp_rank": 1}))
+        cache.find(key("m", shard={"tp_rank": 1}), LOADS)
     d = info.value.details
     assert d["fields"] == ["shard"]
     assert d["resident"] == {"shard": {"tp_rank": 0}} and d["requested"] == {"shard": {"tp_rank": 1}}
@@ -547,8 +550,38 @@ def test_describe(cache: Cache, clock: Clock) -> None:
                               "acquires")} == {
         "name": "e", "state": "ready", "bytes": 300, "device": "cpu", "leases": 1, "retention": "pinned",
         "origin": "load", "tensors": 2, "acquires": 1}
-    assert d["progress"] == {"done": 0, "total": MANIFEST.nbytes}
+    assert d["progress"] == {"done": 0, "total": MANIFEST.nbytes, "phase": ""}
     assert d["key"]["model"] == "e"
+
+
+def test_progress_while_reading_has_rate_and_time_left(cache: Cache) -> None:
+    e = admit(cache, "e", 300, ready=False)
+    e.load_phase, e.reading_since, e.done_bytes = "reading", time.monotonic() - 2.0, MANIFEST.nbytes // 4
+    p = e.describe()["progress"]
+    assert p["phase"] == "reading" and p["done"] == MANIFEST.nbytes // 4
+    assert p["rate"] == pytest.approx(MANIFEST.nbytes / 8, rel=0.2)
+    assert p["eta_s"] == pytest.approx(6.0, rel=0.2)
+
+
+def test_a_failed_load_is_kept_until_the_name_is_admitted_again(cache: Cache) -> None:
+    cache.fail("t", "t.safetensors is truncated", "config", "cpu", "/m/t.safetensors")
+    d = cache.failures["t"].describe()
+    assert d["state"] == "failed" and d["reason"] == "t.safetensors is truncated" and d["bytes"] == 0
+    assert d["failed_at"].endswith("+00:00") and cache.stats["load_failures"] == 1
+    with pytest.raises(NotFound, match="'t' failed to load at .*: t.safetensors is truncated") as info:
+        cache.find("t")
+    assert info.value.details["state"] == "failed"
+    admit(cache, "t", 100)
+    assert "t" not in cache.failures and cache.find("t").state == "ready"
+    cache.fail("u", "gone", "load", "cpu", "/u")
+    assert cache.forget_failure("u") is not None and not cache.failures
+
+
+def test_failures_are_bounded_by_max_entries(clock: Clock) -> None:
+    cache = Cache({"cpu": 1000}, TTL, clock=clock, max_entries=3)
+    for i in range(5):
+        cache.fail(f"m{i}", "bad", "load", "cpu", "/x")
+    assert list(cache.failures) == ["m2", "m3", "m4"]  # the oldest go first
 
 
 # -- indexes: what a peer can make the daemon do stays proportional to its own share ---------------
@@ -582,25 +615,167 @@ def test_a_publishers_disconnect_drops_its_filling_entry_and_the_entrys_leases(c
 
 def test_entries_are_indexed_by_key_and_usage_is_kept(cache: Cache) -> None:
     e = admit(cache, "e", 100, transform="fp8")
-    assert cache.by_key(key("e", transform="fp8")) is e and cache.by_key(key("e")) is None
+    assert cache.by_key(key("e", transform="fp8"), LOADS) is e and cache.by_key(key("e"), LOADS) is None
     assert cache.used("cpu") == 100
     cache.evict(e)
-    assert cache.by_key(key("e", transform="fp8")) is None and cache.used("cpu") == 0
+    assert cache.by_key(key("e", transform="fp8"), LOADS) is None and cache.used("cpu") == 0
 
 
 def test_a_near_miss_compares_a_bounded_sample(cache: Cache) -> None:
     for i in range(40):
         cache.admit(f"m{i}", key("m", transform=f"t{i}"), MANIFEST, 1, "cached", "load")
     with pytest.raises(KeyMismatch) as info:
-        cache.find(key("m", transform="nope"))
+        cache.find(key("m", transform="nope"), LOADS)
     assert info.value.details["fields"] == ["transform"]
 
 
-def test_max_entries_is_a_busy_line(clock: Clock) -> None:
+def test_max_entries_is_a_busy_line_only_when_nothing_can_go(clock: Clock) -> None:
     cache = Cache({"cpu": 1000}, TTL, clock=clock, max_entries=2)
-    admit(cache, "a", 1)
-    admit(cache, "b", 1)
+    admit(cache, "a", 1, retention="pinned")
+    b = admit(cache, "b", 1)
+    cache.acquire(b, owner="reader")
     with pytest.raises(Busy, match="max_entries"):
         cache.admit("c", key("c"), MANIFEST, 1, "cached", "load")
-    cache.evict(cache.entries["a"])
-    admit(cache, "c", 1)
+    cache.drop_owner("reader")
+    _, victims = cache.admit("c", key("c"), MANIFEST, 1, "cached", "load")
+    assert names(victims) == ["b"] and sorted(cache.entries) == ["a", "c"]
+
+
+def test_a_full_daemon_evicts_the_least_recently_used_unleased_entry(clock: Clock) -> None:
+    """Another uid's cached entries, left behind, do not hold max_entries: the oldest goes, of any
+    device and publisher, and not one that is leased, pinned or loading."""
+    cache = Cache({"cpu": 1000, "cuda:0": 1000}, TTL, clock=clock, max_entries=4)
+    old, _, _ = cache.reserve("old", key("p", transform="a", device="cuda:0"), MANIFEST, 1, "cached", "x", uid=1001)
+    cache.commit("x", next(iter(old.leases)))
+    clock.tick()
+    for name in ("newer", "leased"):
+        entry, lease, _ = cache.reserve(name, key("p", transform=name), MANIFEST, 1, "cached", "x", uid=1001)
+        cache.commit("x", lease.id)
+        clock.tick()
+    cache.acquire(cache.entries["leased"], owner="reader")
+    cache.admit("loading", key("l"), MANIFEST, 1, "cached", "load")
+    clock.tick()
+    _, _, victims = cache.reserve("mine", key("p", transform="a"), MANIFEST, 1, "cached", "y", uid=1000)
+    assert names(victims) == ["old"] and "old" not in cache.entries and cache.used("cuda:0") == 0
+    _, _, victims = cache.reserve("mine2", key("p", transform="b"), MANIFEST, 1, "cached", "y", uid=1000)
+    assert names(victims) == ["newer"]
+
+
+def test_entries_per_uid_are_bounded(clock: Clock) -> None:
+    cache = Cache({"cpu": 1000}, TTL, clock=clock, max_entries_per_uid=2)
+    for i in range(2):
+        cache.reserve(f"p{i}", key("p", transform=f"t{i}"), MANIFEST, 1, "cached", "x", uid=1001)
+    with pytest.raises(Busy, match="max_entries_per_uid"):
+        cache.reserve("p2", key("p", transform="t2"), MANIFEST, 1, "cached", "x", uid=1001)
+    cache.reserve("q", key("p", transform="t2"), MANIFEST, 1, "cached", "y", uid=1000)  # another uid's room
+    admit(cache, "loaded", 1)  # the daemon's own loads are not publishes
+    cache.drop_owner("x")  # fill leases end: both entries go, and with them the uid's count
+    cache.reserve("p2", key("p", transform="t2"), MANIFEST, 1, "cached", "x", uid=1001)
+
+
+def test_one_key_from_two_publishers_does_not_collide(cache: Cache) -> None:
+    """Key squatting: uid 1001 publishing 1000's exact key first leaves 1000 free to publish,
+    find and evict its own; a lookup takes the first publisher of the asker's order."""
+    k = key("p", transform="fp8")
+    squat, lease, _ = cache.reserve("squat", k, MANIFEST, 1, "cached", "a", uid=1001)
+    cache.commit("a", lease.id)
+    with pytest.raises(NotFound, match="published by uid 1001"):
+        cache.find(k, (1000, 0))
+    own, lease, _ = cache.reserve("own", k, MANIFEST, 1, "cached", "b", uid=1000)
+    cache.commit("b", lease.id)
+    with pytest.raises(Busy, match="uid 1000 already has an entry with this key"):
+        cache.reserve("again", k, MANIFEST, 1, "cached", "b", uid=1000)
+    assert cache.find(k, (1000, 0)) is own and cache.find(k, (1001, 0)) is squat
+    assert cache.find(k, (0, 1001, 1000)) is squat  # a trusted publisher, asked for before the own uid
+    cache.check_evict(own, 1000, admin=False)
+    assert cache.evict(own) == [own] and cache.find(k, (1001,)) is squat
+
+
+# -- leases: bounded per uid, listed in pages, expired in batches ---------------------------------
+
+
+def test_leases_per_uid_are_bounded_and_the_daemons_holds_are_not_counted(clock: Clock) -> None:
+    cache = Cache({"cpu": 1000}, TTL, clock=clock, max_leases_per_uid=3)
+    e = admit(cache, "e", 1)
+    for owner in ("a", "a", "b"):  # over two connections of one uid
+        cache.acquire(e, owner, uid=1001)
+    with pytest.raises(Busy, match="uid 1001 holds 3 leases, the daemon's max_leases_per_uid"):
+        cache.acquire(e, "c", uid=1001)
+    with pytest.raises(Busy, match="max_leases_per_uid"):
+        cache.reserve("p", key("p", transform="t"), MANIFEST, 1, "cached", "c", uid=1001)
+    assert "p" not in cache.entries and e.acquires == 3
+    cache.acquire(e, "d", uid=1002)
+    cache.acquire(e, object(), uid=1001, ttl_s=math.inf)  # the daemon's own hold, e.g. a verify
+    cache.drop_owner("b")
+    cache.acquire(e, "c", uid=1001)
+
+
+def test_leases_are_listed_a_page_at_a_time(cache: Cache) -> None:
+    e = admit(cache, "e", 1)
+    mine = [cache.acquire(e, "a", uid=1001).id if i % 2 else cache.acquire(e, "b", uid=1002).id for i in range(7)]
+    everyone = sorted(cache.leases)
+    seen, after = [], 0
+    while True:
+        page, after = cache.leases_page(None, after, 3)  # type: ignore[assignment]
+        seen += [lease.id for lease in page]
+        if after is None:
+            break
+    assert seen == everyone
+    page, cursor = cache.leases_page(1001, 0, 2)
+    assert [lease.id for lease in page] == [i for i in mine if cache.leases[i].uid == 1001][:2]
+    rest, end = cache.leases_page(1001, cursor, 10)  # type: ignore[arg-type]
+    assert {lease.uid for lease in page + rest} == {1001} and end is None and len(page + rest) == 3
+    assert cache.leases_page(4242, 0, 10) == ([], None)
+
+
+def test_leases_expire_in_batches_and_are_told_in_one_line(cache: Cache, clock: Clock) -> None:
+    a, b = admit(cache, "a", 1), admit(cache, "b", 1)
+    for i in range(10):
+        cache.acquire(a if i < 7 else b, f"c{i}", pid=100 + i, uid=1001)
+    clock.tick(TTL + 1)
+    batches = []
+    while True:
+        expired, _ = cache.expire(4)
+        batches.append(len(expired))
+        if len(expired) < 4:
+            break
+    assert batches == [4, 4, 2] and not cache.leases and cache.stats["lease_expiries"] == 10
+    one = LeaseRecord(1, a, "read", "x", 7, 1001, 0.0)
+    assert describe_expired([one]) == "lease 1 on a (pid 7, uid 1001) expired: no heartbeat"
+    many = [LeaseRecord(i, a if i < 7 else b, "read", "x", i, 1001 + i % 2, 0.0) for i in range(10)]
+    assert describe_expired(many) == "10 leases expired, no heartbeat: 7 on a, 3 on b (uids 1001, 1002)"
+
+
+def test_memory_still_mapped_outside_the_cache_counts_against_its_device(cache: Cache, clock: Clock) -> None:
+    """What reclaimed arenas still take (mapped by processes whose leases ended) leaves less room:
+    candidates are evicted for it, and past that the refusal says where the memory is."""
+    outside = {"cpu": 300, "cuda:0": 0}
+    cache.outside = outside.__getitem__
+    admit(cache, "a", 400)
+    clock.tick()
+    _, victims = cache.admit("b", key("b"), MANIFEST, 400, "cached", "load")  # 400 + 300 + 400 > 1000
+    assert names(victims) == ["a"]
+    with pytest.raises(OutOfMemory) as info:
+        cache.admit("c", key("c"), MANIFEST, 301, "cached", "load")
+    assert info.value.details == {"device": "cpu", "need": 301, "budget": 1000, "held": 400, "outside": 300}
+    assert "300 B by processes still mapping entries that are gone" in info.value.message
+    outside["cpu"] = 0  # they dropped their views
+    cache.admit("c", key("c"), MANIFEST, 301, "cached", "load")
+
+
+def test_who_asked_for_a_load_survives_parking(cache: Cache) -> None:
+    """The fd store's record keeps `asked_by`, and the entry's fd names are its publisher's."""
+    import os
+
+    from wcd import parking
+
+    entry = admit(cache, "e", 1)
+    entry.asked_by, entry.publisher = 1237, 0
+    entry.arena = type("A", (), {"kind": "host", "size": 4096})()
+    fd = parking.record_memfd(entry)
+    try:
+        rec = parking.parse_record(fd)
+    finally:
+        os.close(fd)
+    assert (rec.asked_by, rec.publisher, rec.origin) == (1237, 0, "load")
+    assert parking.fd_names(entry.key, 0) != parking.fd_names(entry.key, 1237)

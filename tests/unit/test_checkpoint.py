@@ -14,8 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from wcd.checkpoint import Checkpoint, CopyOp, _runs, read_header
+from wcd.checkpoint import Checkpoint, CopyOp, _runs
 from wcd.errors import LoadFailed
+from wcd.headers import read_header
 from wcd.manifest import ALIGN
 
 

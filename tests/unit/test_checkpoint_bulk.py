@@ -16,8 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wcd.checkpoint import MAX_PIECES, Checkpoint, CopyOp, read_header
+from wcd.checkpoint import MAX_PIECES, Checkpoint, CopyOp
 from wcd.errors import BadRequest, LoadFailed, WcdError
+from wcd.headers import read_header
 from wcd.manifest import Manifest, tensor_nbytes
 
 Row = tuple[str, str, tuple[int, ...], int, int]  # name, dtype, shape, absolute begin, end

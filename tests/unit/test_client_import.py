@@ -1,4 +1,5 @@
-"""The client is imported on an engine's start-up clock: it must not pull in what it does not use."""
+"""The client is imported on an engine's start-up clock, and wcdctl on an operator's: neither may
+pull in what it does not use."""
 
 from __future__ import annotations
 
@@ -10,6 +11,11 @@ import pytest
 
 def test_client_import_is_lean() -> None:
     _check_lean("from wcd.client import Client, connect")
+
+
+def test_wcdctl_import_is_as_lean_as_the_client() -> None:
+    """`wcdctl status` runs on an operator's clock: sizes come from wcd.units, not the config's pydantic."""
+    _check_lean("import wcd.cli.wcdctl")
 
 
 @pytest.mark.slow

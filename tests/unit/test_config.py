@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from wcd.config import RUN_DIR, Config, instance_config_path, load_config, parse_size
+from wcd.config import RUN_DIR, Config, instance_config_path, load_config
 from wcd.configfile import named_devices, read_toml
 from wcd.errors import ConfigError
+from wcd.units import parse_size
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -19,6 +19,7 @@ from tests.unit import test_staging
 from tests.unit.fake_cuda import DEVICE_BASE, PAD, FakeDriver
 from wcd.checkpoint import Checkpoint, run_pieces
 from wcd.loader import Progress, fill_arena
+from wcd.tuning import LoadTuning
 
 cuda_module = test_staging.cuda_module  # the fixture: wcd.arenas.cuda as it is, without a GPU
 
@@ -26,7 +27,7 @@ cuda_module = test_staging.cuda_module  # the fixture: wcd.arenas.cuda as it is,
 @pytest.fixture
 def cuda(cuda_module: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     """wcd.arenas.cuda over a FakeDriver."""
-    fake = FakeDriver(cuda_module._SUCCESS, cuda_module._NOT_READY)
+    fake = FakeDriver(cuda_module.SUCCESS, cuda_module.NOT_READY)
     monkeypatch.setattr(cuda_module, "cuda", fake)
     cuda_module.fake = fake
     return cuda_module
@@ -43,7 +44,7 @@ def fill(cuda: Any, path: Path, lane_bytes: int = 4 << 20, batch: int = 4 << 20,
     ckpt = Checkpoint.open(path)
     manifest = ckpt.manifest()
     own = staging is None
-    staging = staging or cuda.Staging(gpu(cuda), lane_bytes, 2, 0)
+    staging = staging or cuda.Staging(gpu(cuda), LoadTuning(staging_bytes=lane_bytes), 0)
     arena = cuda.CudaArena(gpu(cuda), manifest.size, object(), os.open(os.devnull, os.O_RDONLY), staging, "test")
     progress = Progress(ckpt.nbytes)
     fill_arena(arena, ckpt, ckpt.copy_plan(manifest, batch=batch), progress, workers=workers)
@@ -129,7 +130,7 @@ def lane_scatter(cuda: Any, lane_bytes: int, data: bytes, runs: tuple[tuple[int,
     f.write_bytes(data)
     end = max(rel + stride * (count - 1) + width for rel, width, stride, count in runs)
     cuda.fake.cuMemAddressReserve(end + 512)
-    lane = cuda._Lane(lane_bytes, 2)
+    lane = cuda.Lane(lane_bytes, 2)
     fd = os.open(f, os.O_RDONLY)
     try:
         lane.scatter(fd, file_offset, DEVICE_BASE + 256, runs, read_bytes)
@@ -219,7 +220,6 @@ def test_cold_files_are_planned_in_cold_reads_and_land_exactly(cuda: Any, tmp_pa
         monkeypatch.setattr(cuda, "SCATTER_MIN_ROW", 0)
     else:
         monkeypatch.setattr(cuda, "SCATTER_PIECES_PER_COPY", 10**9)
-    monkeypatch.setattr(cuda, "COLD_READ_BYTES", 200_000)
     d = tmp_path / "ckpt"
     d.mkdir()
     tensors = mixed(5)
@@ -238,7 +238,7 @@ def test_cold_files_are_planned_in_cold_reads_and_land_exactly(cuda: Any, tmp_pa
         return plan(m, chunk, batch)
 
     monkeypatch.setattr(ckpt, "copy_plan", spy)
-    staging = cuda.Staging(gpu(cuda), 40_000, 2, 0)
+    staging = cuda.Staging(gpu(cuda), LoadTuning(staging_bytes=40_000, cold_read_bytes=200_000), 0)
     grown: list[int] = []
     give = staging.give
     monkeypatch.setattr(staging, "give", lambda lanes: (grown.extend(lane.nbytes for lane in lanes), give(lanes)))
@@ -284,7 +284,7 @@ def test_the_writers_debug_line_counts_its_threads_time_in_reads_and_waits(cuda:
         real(fd, view, offset)
 
     monkeypatch.setattr(cuda, "scatter_pays", lambda runs: True)  # every op reads through pread_into
-    staging = cuda.Staging(gpu(cuda), 4 << 20, 2, 60.0)  # lanes pooled between the two loads
+    staging = cuda.Staging(gpu(cuda), LoadTuning(), 60.0)  # lanes pooled between the two loads
     try:
         with caplog.at_level(logging.DEBUG, logger="wcd"):
             monkeypatch.setattr(cuda, "pread_into", slow)

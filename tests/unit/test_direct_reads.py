@@ -41,8 +41,8 @@ def direct_file(tmp_path: Path, cuda_module: Any) -> Iterator[tuple[bytes, int, 
 
 
 def _host_lane(cuda: Any, monkeypatch: pytest.MonkeyPatch, nbytes: int, device: bytearray) -> Any:
-    """A real `_Lane` whose buffers are page-aligned host memory and whose 'device' is `device`."""
-    lane = object.__new__(cuda._Lane)
+    """A real `Lane` whose buffers are page-aligned host memory and whose 'device' is `device`."""
+    lane = object.__new__(cuda.Lane)
     lane.nbytes, lane.turn, lane.stream = nbytes, 0, None
     lane.reading = lane.waiting = lane.pinning = 0.0
     lane.ptrs, lane.views, lane.events, keep = [], [], [None, None], []
@@ -60,9 +60,9 @@ def _host_lane(cuda: Any, monkeypatch: pytest.MonkeyPatch, nbytes: int, device: 
         ctypes.memmove(base + dst, src, n)
         return (0,)
 
-    monkeypatch.setattr(cuda, "_check", lambda result, what: None)
+    monkeypatch.setattr(cuda, "check", lambda result, what: None)
     monkeypatch.setattr(cuda.cuda, "cuEventSynchronize", lambda e: (0,), raising=False)
-    monkeypatch.setattr(cuda.cuda, "cuEventQuery", lambda e: (cuda._NOT_READY,), raising=False)
+    monkeypatch.setattr(cuda.cuda, "cuEventQuery", lambda e: (cuda.NOT_READY,), raising=False)
     monkeypatch.setattr(cuda.cuda, "cuEventRecord", lambda e, s: (0,), raising=False)
     monkeypatch.setattr(cuda.cuda, "cuMemcpyHtoDAsync", htod, raising=False)
     return lane
@@ -130,12 +130,12 @@ def test_the_copy_loop_queues_its_copies_and_records_through_the_calls_that_keep
     for name in ("cuMemcpyHtoDAsync", "cuEventRecord", "cuEventQuery"):
         monkeypatch.setattr(cuda.cuda, name, refuse, raising=False)
     monkeypatch.setattr(cuda.cuda, "cuEventSynchronize", lambda e: calls.append("wait") or (0,), raising=False)
-    answers = iter([cuda._SUCCESS, cuda._NOT_READY] * 2)  # done, not yet, done, not yet
+    answers = iter([cuda.SUCCESS, cuda.NOT_READY] * 2)  # done, not yet, done, not yet
     held = types.SimpleNamespace(
         memcpy_htod_async=lambda dst, src, n, stream: calls.append("copy") or bindings_copy(dst, src, n, stream)[0],
-        event_record=lambda event, stream: calls.append("record") or cuda._SUCCESS,
+        event_record=lambda event, stream: calls.append("record") or cuda.SUCCESS,
         event_query=lambda event: calls.append("query") or next(answers))
-    monkeypatch.setattr(cuda, "_held", lambda: held)
+    monkeypatch.setattr(cuda, "held", lambda: held)
     lane.copy_direct(direct, 4095, 100, 3 << 20, 1 << 20)
     # 3 MiB from an unaligned offset: four 1 MiB reads, a wait only after the "not yet"s
     assert calls == ["query", "copy", "record", "query", "wait", "copy", "record"] * 2
@@ -154,8 +154,8 @@ def test_a_query_that_fails_fails_the_copy_in_one_line(cuda_module: Any, monkeyp
     def check_held(err: int, what: str) -> None:  # the real one words the code through the bindings
         raise cuda.Internal(f"{what} {err}")
 
-    monkeypatch.setattr(cuda, "_check_held", check_held)
-    monkeypatch.setattr(cuda, "_held", lambda: types.SimpleNamespace(event_query=lambda event: 700))
+    monkeypatch.setattr(cuda, "check_held", check_held)
+    monkeypatch.setattr(cuda, "held", lambda: types.SimpleNamespace(event_query=lambda event: 700))
     with pytest.raises(cuda.Internal, match="^cuEventQuery 700$"):
         lane.copy_direct(direct, 0, 0, 1 << 20, 1 << 20)
     assert not waits

@@ -1,4 +1,4 @@
-"""A large header is parsed in pieces (`checkpoint._decode_in_pieces`) so that no one call holds the
+"""A large header is parsed in pieces (`headers._decode_in_pieces`) so that no one call holds the
 GIL for the whole of it: the pieces read exactly what one parse reads, or the header is parsed whole."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from pydantic_core import from_json
 
 from tests.unit.test_checkpoint_bulk import any_headers
-from wcd import checkpoint
+from wcd import headers
 
 TRICKY = st.sampled_from(['},"', '}, "', '"', "\\", "{", "}", ",", ":", "é", "\u2028", "\0", " "])
 NAMES = st.lists(st.one_of(TRICKY, st.text(max_size=4)), max_size=6).map("".join)
@@ -41,23 +41,23 @@ def test_pieces_read_what_one_parse_reads(entries: list[tuple[str, Any]], separa
                                           piece: int) -> None:
     raw = header(entries, separators, pad)
     whole = from_json(raw, allow_inf_nan=True)
-    saved, checkpoint.PARSE_PIECE_BYTES = checkpoint.PARSE_PIECE_BYTES, piece
+    saved, headers.PARSE_PIECE_BYTES = headers.PARSE_PIECE_BYTES, piece
     try:
-        pieces = checkpoint._decode_in_pieces(raw)
-        decoded = checkpoint._decode(checkpoint.Path("h"), raw)
+        pieces = headers._decode_in_pieces(raw)
+        decoded = headers._decode(headers.Path("h"), raw)
     finally:
-        checkpoint.PARSE_PIECE_BYTES = saved
+        headers.PARSE_PIECE_BYTES = saved
     if pieces is not None:
         assert list(pieces.items()) == list(whole.items())  # values, and the order of the keys
     assert list(decoded.items()) == list(whole.items())
 
 
 def test_a_cut_inside_a_name_or_the_metadata_falls_back_to_one_parse(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(checkpoint, "PARSE_PIECE_BYTES", 1)
+    monkeypatch.setattr(headers, "PARSE_PIECE_BYTES", 1)
     raw = header([("__metadata__", {"a": {"b": 1}, "c": 2}), ('x},"y', {"dtype": "F32"})], (",", ":"), 0)
-    assert checkpoint._decode_in_pieces(raw) is None
+    assert headers._decode_in_pieces(raw) is None
     raw = header([(f"t{i}", {"dtype": "F32"}) for i in range(5)], (",", ":"), 3)
-    assert checkpoint._decode_in_pieces(raw) == {f"t{i}": {"dtype": "F32"} for i in range(5)}
+    assert headers._decode_in_pieces(raw) == {f"t{i}": {"dtype": "F32"} for i in range(5)}
 
 
 @pytest.mark.slow
@@ -77,7 +77,7 @@ def test_a_big_header_does_not_hold_the_gil_for_its_whole_parse(tmp_path: Path) 
 
     def parse() -> None:
         try:
-            assert len(checkpoint.read_header(path).names) == n
+            assert len(headers.read_header(path).names) == n
         finally:
             done.set()
 
@@ -95,7 +95,7 @@ def test_a_big_header_does_not_hold_the_gil_for_its_whole_parse(tmp_path: Path) 
 
 
 def columns_of(raw: bytes, data_size: int) -> Any:
-    got = checkpoint.header_columns(raw, data_size, lenient=False, in_pieces=False)
+    got = headers.header_columns(raw, data_size, lenient=False, in_pieces=False)
     return None if got is None else (*got[:3], list(got[3]), *got[4:])
 
 
@@ -118,13 +118,13 @@ def test_pieces_parsed_apart_and_merged_are_the_header_parsed_whole(header_doc: 
             entries.append((entries[k % len(entries)][0], entries[-1][1]))
     raw = header(entries, separators, 0)
     whole = columns_of(raw, data_size)
-    pieces = checkpoint.member_pieces(raw, every)
+    pieces = headers.member_pieces(raw, every)
     if pieces is None:
         return
-    parts = [checkpoint.header_columns(p, data_size, lenient=False, in_pieces=False) for p in pieces]
+    parts = [headers.header_columns(p, data_size, lenient=False, in_pieces=False) for p in pieces]
     if None in parts:  # a piece that is no header (a cut inside the metadata): parsed whole
         return
-    merged = checkpoint.merge_columns(parts)
+    merged = headers.merge_columns(parts)
     event("merged" if merged is not None else "left to one parse")
     names = [name for part in parts for name in part[0]]
     if merged is not None and len(set(names)) == len(names):
@@ -141,18 +141,18 @@ def test_a_name_in_two_pieces_or_pieces_out_of_order_are_left_to_one_parse() -> 
         return {"dtype": "U8", "shape": [4], "data_offsets": [begin, begin + 4]}
 
     def parts(entries: list[tuple[str, Any]]) -> list[Any]:
-        pieces = checkpoint.member_pieces(header(entries, (",", ":"), 0), 1)
+        pieces = headers.member_pieces(header(entries, (",", ":"), 0), 1)
         assert pieces is not None and len(pieces) == len(entries)
-        return [checkpoint.header_columns(p, 64) for p in pieces]
+        return [headers.header_columns(p, 64) for p in pieces]
 
     in_order = [("a", entry(0)), ("b", entry(4)), ("__metadata__", {"k": "v"}), ("c", entry(8))]
-    merged = checkpoint.merge_columns(parts(in_order))
+    merged = headers.merge_columns(parts(in_order))
     assert merged is not None and merged[0] == ("a", "b", "c") and merged[4] == [0, 4, 8] and merged[-1]
-    twice = checkpoint.merge_columns(parts([("a", entry(0)), ("b", entry(4)), ("a", entry(8))]))
+    twice = headers.merge_columns(parts([("a", entry(0)), ("b", entry(4)), ("a", entry(8))]))
     assert twice is not None and twice[0] == ("a", "b", "a")  # for `Shards.parse` to find
-    assert checkpoint.merge_columns(parts([("a", entry(4)), ("b", entry(0))])) is None
-    assert checkpoint.merge_columns(parts([("a", entry(0)), ("b", entry(2))])) is None  # overlap across pieces
-    gap = checkpoint.merge_columns(parts([("a", entry(0)), ("b", entry(16))]))
+    assert headers.merge_columns(parts([("a", entry(4)), ("b", entry(0))])) is None
+    assert headers.merge_columns(parts([("a", entry(0)), ("b", entry(2))])) is None  # overlap across pieces
+    gap = headers.merge_columns(parts([("a", entry(0)), ("b", entry(16))]))
     assert gap is not None and gap[4] == [0, 16] and not gap[-1]
 
 
@@ -161,7 +161,7 @@ def test_a_name_check_is_distinct_only_for_names_that_do_not_repeat(groups: list
     """Groups of names added to a `NameCheck`, some taken back after (pieces of a header parsed
     whole): `distinct` never says so of names that repeat among those kept, and says so of those
     that do not when none was taken back."""
-    check = checkpoint.NameCheck()
+    check = headers.NameCheck()
     for names, _ in groups:
         check.add(names)
     for names, back in groups:

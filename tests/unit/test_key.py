@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 
-from wcd.checkpoint import SAMPLE_BYTES, SAMPLES_PER_FILE, read_header
+from wcd.checkpoint import SAMPLE_BYTES, SAMPLES_PER_FILE
 from wcd.errors import LoadFailed
+from wcd.headers import read_header
 from wcd.key import HOST_DEVICE, WeightCacheKey, _sample_positions, fingerprint_checkpoint
 
 # A value different from the default for every field.

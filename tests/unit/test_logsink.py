@@ -148,3 +148,24 @@ def test_closing_waits_a_bounded_time_for_a_stream_that_never_reads(monkeypatch:
         handler.close()
         assert time.monotonic() - t < 1.0
         os.read(r, 1 << 20)  # lets the writer thread finish its write and exit
+
+
+def test_a_record_is_one_line_whatever_its_message_holds(tmp_path):
+    """Peers' strings reach messages: a newline, a carriage return, a terminal escape or a Unicode
+    line separator in one forges nothing; a traceback's lines stay lines, indented."""
+    path = tmp_path / "log"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    handler = LogWriter(fd)
+    log = logger_to(handler, "wcd.test.escape")
+    log.warning("%s: bad frame", "<conn client=x\nERROR forged\r\x1b[2K\u2028\x85>")
+    try:
+        raise ValueError("bad\nERROR forged too")
+    except ValueError:
+        log.exception("failed")
+    handler.close()
+    os.close(fd)
+    lines = path.read_text().splitlines()
+    assert lines[0] == r"WARNING <conn client=x\nERROR forged\r\x1b[2K\u2028\x85>: bad frame"
+    assert lines[1] == "ERROR failed" and lines[2] == "  Traceback (most recent call last):"
+    assert lines[-2:] == ["  ValueError: bad", "  ERROR forged too"]  # inside the record it continues
+    assert all(line.startswith("  ") for line in lines[2:]) and not any("\x1b" in line for line in lines)

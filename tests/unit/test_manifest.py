@@ -374,7 +374,7 @@ def per_row(size: int, rows: list[list[Any]]) -> Manifest | None:
     codes, ids = bytearray(), array("I")
     for name, dtype, shape, offset in rows:
         try:
-            _check_name(name, printable=False)
+            _check_name(name)
             nbytes = tensor_nbytes(name, dtype, tuple(shape))
         except BadRequest:
             return None

@@ -17,12 +17,14 @@ from unittest import mock
 
 import pytest
 
-from tests.unit.fake_cuda import held_calls
+from tests.unit.fake_cuda import CUDA_MODULES, ArenaModules, forget_cuda_modules, held_calls
+from wcd.tuning import LoadTuning
 
 
 @pytest.fixture
 def cuda_module(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """wcd.arenas.cuda as it is, over a stand-in for cuda-bindings if that is not installed."""
+    """wcd.arenas.cuda and the modules under it as they are (`ArenaModules`), over a stand-in for
+    cuda-bindings if that is not installed."""
     try:
         importlib.import_module("cuda.bindings.driver")
     except ImportError:
@@ -31,12 +33,13 @@ def cuda_module(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
         pkg.bindings = bindings  # type: ignore[attr-defined]
         for name, module in (("cuda", pkg), ("cuda.bindings", bindings), ("cuda.bindings.driver", bindings.driver)):
             monkeypatch.setitem(sys.modules, name, module)
-        monkeypatch.delitem(sys.modules, "wcd.arenas.cuda", raising=False)
-    module = importlib.import_module("wcd.arenas.cuda")
-    monkeypatch.setattr(module, "_held", lambda: held_calls(module))  # through the fakes, never libcuda
+        for name in CUDA_MODULES:
+            monkeypatch.delitem(sys.modules, name, raising=False)
+    module = ArenaModules()
+    monkeypatch.setattr(module, "held", lambda: held_calls(module))  # through the fakes, never libcuda
     yield module
     if isinstance(sys.modules.get("cuda.bindings.driver"), mock.MagicMock):
-        sys.modules.pop("wcd.arenas.cuda", None)  # the stand-in goes with the fixture
+        forget_cuda_modules()  # the stand-in goes with the fixture
 
 
 @pytest.fixture
@@ -68,9 +71,9 @@ def cuda(cuda_module: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
             raise module.Internal("CUDA cuCtxPushCurrent failed")
         yield
 
-    state.Lane = module._Lane  # the real one, for tests that fake the driver under it
+    state.Lane = module.Lane  # the real one, for tests that fake the driver under it
     state.exclusive_process = module.exclusive_process  # the same
-    monkeypatch.setattr(module, "_Lane", FakeLane)
+    monkeypatch.setattr(module, "Lane", FakeLane)
     monkeypatch.setattr(module, "exclusive_process", lambda gpu: state.exclusive)
     monkeypatch.setattr(module, "retain_context", retain)
     monkeypatch.setattr(module, "release_context", release)
@@ -80,7 +83,7 @@ def cuda(cuda_module: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def staging(cuda: Any, linger_s: float) -> Any:
-    return cuda.Staging(cuda.Gpu(0, "GPU-x", "test"), 4 << 20, 2, linger_s)
+    return cuda.Staging(cuda.Gpu(0, "GPU-x", "test"), LoadTuning(), linger_s)
 
 
 def test_concurrent_prepares_pin_at_most_the_pool(cuda: Any) -> None:
@@ -275,7 +278,7 @@ def test_an_exclusive_process_gpu_keeps_nothing_after_a_load_and_says_so_once(
 
     def get_attribute(attribute: Any, device: int) -> tuple[Any, Any]:
         asked.append((attribute, device))
-        return cuda._SUCCESS, modes[device]
+        return cuda.SUCCESS, modes[device]
 
     monkeypatch.setattr(driver, "cuDeviceGetAttribute", get_attribute, raising=False)
     monkeypatch.setattr(cuda, "exclusive_process", cuda.state.exclusive_process)
@@ -295,7 +298,7 @@ def test_an_exclusive_process_gpu_keeps_nothing_after_a_load_and_says_so_once(
     s.prepare(1)  # its admission failed: nothing takes it over
     time.sleep(0.5)
     assert not s.held and cuda.state.contexts == 0
-    other = cuda.Staging(cuda.Gpu(1, "GPU-y", "test"), 4 << 20, 2, 30)  # default mode: lingers
+    other = cuda.Staging(cuda.Gpu(1, "GPU-y", "test"), LoadTuning(), 30)  # default mode: lingers
     other.open()
     other.close()
     assert other.held and other._timer is not None and other._timer.interval == 30
@@ -339,9 +342,9 @@ def writer_parts(cuda: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
         def close(self) -> None:
             self.closed = True
 
-    monkeypatch.setattr(cuda, "_Lane", CopyLane)
+    monkeypatch.setattr(cuda, "Lane", CopyLane)
     monkeypatch.setattr(cuda, "VaMapping", FakeMapping)
-    monkeypatch.setattr(cuda, "_check", lambda result, what: None)
+    monkeypatch.setattr(cuda, "check", lambda result, what: None)
     monkeypatch.setattr(cuda.cuda, "cuCtxSetCurrent", lambda ctx: None, raising=False)
     parts.staging = staging(cuda, 30)
     parts.arena = types.SimpleNamespace(_gpu=parts.staging.gpu, size=64 << 20, _handle=object())
@@ -388,7 +391,7 @@ def test_a_writer_reads_cold_files_large_and_drops_them_once_no_load_reads_them(
     second.close()
     _wait_dropped(cuda, dropped, 1)
     assert dropped == [os.fstat(cold).st_ino]
-    assert not cuda._LOADING.has(cuda._Inodes.key(cold)) and writer_parts.staging.held
+    assert not cuda.LOADING.has(cuda.Inodes.key(cold)) and writer_parts.staging.held
     for fd in (warm, cold):
         os.close(fd)
     writer_parts.staging.release()
@@ -420,7 +423,7 @@ def test_cold_reads_direct_by_config_go_through_an_o_direct_descriptor_closed_wi
     w.hint(cold, 0.0)
     w.copy_from_file(warm, 0, 0, 4096)
     w.copy_from_file(cold, 0, 4096, 4096)
-    # warm: one staging buffer per read; cold: O_DIRECT reads of DIRECT_READ_BYTES (512 KiB)
+    # warm: one staging buffer per read; cold: O_DIRECT reads of `direct_read_bytes` (512 KiB)
     assert writer_parts.copies == [(warm, 4096, 4 << 20), ("direct", os.fstat(cold).st_ino, 4096, 512 << 10)]
     w.close()
     assert not _direct_fds_of(os.fstat(cold).st_ino), "the writer left its O_DIRECT descriptor open"
@@ -431,19 +434,19 @@ def test_cold_reads_direct_by_config_go_through_an_o_direct_descriptor_closed_wi
     writer_parts.staging.release()
 
 
-@pytest.mark.parametrize(("direct_read_bytes", "read"), [(1 << 20, 1 << 20), (0, 16 << 20)])
+@pytest.mark.parametrize(("direct_read_bytes", "read"), [(1 << 20, 1 << 20), (16 << 20, 16 << 20)])
 def test_direct_reads_span_at_most_direct_read_bytes_in_ops_of_the_cold_read_size(
         cuda: Any, writer_parts: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, direct_read_bytes: int,
         read: int) -> None:
-    """DIRECT_READ_BYTES tiles ops in O_DIRECT reads of that size (0: a whole op); the ops stay
-    COLD_READ_BYTES."""
+    """`direct_read_bytes` tiles ops in O_DIRECT reads of that size (as large as `cold_read_bytes`:
+    one read per op); the ops stay `cold_read_bytes`."""
     import os
 
-    monkeypatch.setattr(cuda, "DIRECT_READ_BYTES", direct_read_bytes)
+    monkeypatch.setattr(writer_parts.staging, "tuning", LoadTuning(direct_read_bytes=direct_read_bytes))
     monkeypatch.setattr(cuda, "resident", lambda fd, offset, nbytes: False)
     w, cold = _direct_writer(cuda, writer_parts, tmp_path)
     w.hint(cold, 0.0)
-    assert w.batch_bytes(cold) == cuda.COLD_READ_BYTES == 16 << 20
+    assert w.batch_bytes(cold) == LoadTuning().cold_read_bytes == 16 << 20
     w.copy_from_file(cold, 0, 0, 4096)
     assert writer_parts.copies == [("direct", os.fstat(cold).st_ino, 4096, read)]
     w.close()
@@ -469,7 +472,7 @@ def test_ops_of_a_direct_file_that_the_page_cache_holds_are_read_from_it(
     w.copy_from_file(cold, 0, 0, 8192)
     w.copy_from_file(cold, 8192, 8192, 4096)
     assert asked == [(cold, 0, 8192), (cold, 8192, 4096)]  # the buffered descriptor's pages
-    assert writer_parts.copies == [(cold, 8192, cuda.STAGING_BYTES), ("direct", os.fstat(cold).st_ino, 4096, 512 << 10)]
+    assert writer_parts.copies == [(cold, 8192, 4 << 20), ("direct", os.fstat(cold).st_ino, 4096, 512 << 10)]
     w.close()
     os.close(cold)
     writer_parts.staging.release()
@@ -486,7 +489,7 @@ def test_ops_of_a_direct_file_within_what_was_read_ahead_are_read_from_the_page_
     w.hint(cold, 0.0, (100, 100 + 8192))
     w.copy_from_file(cold, 100, 0, 8192)
     w.copy_from_file(cold, 100 + 4096, 8192, 8192)
-    assert writer_parts.copies == [(cold, 8192, cuda.STAGING_BYTES), ("direct", os.fstat(cold).st_ino, 8192, 512 << 10)]
+    assert writer_parts.copies == [(cold, 8192, 4 << 20), ("direct", os.fstat(cold).st_ino, 8192, 512 << 10)]
     w.close()
     os.close(cold)
     writer_parts.staging.release()
@@ -536,7 +539,7 @@ def test_a_lane_whose_copies_failed_is_closed_and_the_load_fails(
         w.close()
     (lane,) = cuda.state.lanes
     assert lane.closed and writer_parts.staging._free == [] and writer_parts.staging._users == 0
-    assert not cuda._LOADING.has(cuda._Inodes.key(fd))
+    assert not cuda.LOADING.has(cuda.Inodes.key(fd))
     os.close(fd)
     writer_parts.staging.release()
     assert cuda.state.contexts == 0
@@ -550,7 +553,7 @@ class FakeDriver:
     def __init__(self, cuda: Any, device_bytes: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
         import ctypes
 
-        self.ok, self.not_ready = cuda._SUCCESS, cuda._NOT_READY
+        self.ok, self.not_ready = cuda.SUCCESS, cuda.NOT_READY
         self.device = ctypes.create_string_buffer(device_bytes, len(device_bytes))
         self.pinned: dict[int, Any] = {}
         self.pins = self.streams = self.copies = self.most_in_flight = 0
@@ -650,9 +653,8 @@ def gpu_arena(cuda: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Any:
 
     from wcd import loader
 
-    monkeypatch.setattr(cuda, "_Lane", cuda.state.Lane)
+    monkeypatch.setattr(cuda, "Lane", cuda.state.Lane)
     monkeypatch.setattr(loader, "DIGEST_CHUNK", 64 << 10)
-    monkeypatch.setattr(cuda, "READ_WINDOW", 20_000)
     data = os.urandom(1 << 20)
     driver = FakeDriver(cuda, data, monkeypatch)
 
@@ -671,7 +673,7 @@ def gpu_arena(cuda: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Any:
     for i in range(300):
         ranges.append((f"s.{i}", at, 1000 + i, (fd, 6 + at)))
         at += 1280 + i // 256 * 256
-    s = staging(cuda, 30)
+    s = cuda.Staging(cuda.Gpu(0, "GPU-x", "test"), LoadTuning(read_window=20_000), 30)
     arena = cuda.CudaArena(s.gpu, len(data), object(), os.open(os.devnull, os.O_RDONLY), s, "fake")
 
     def scheme(name: str) -> str:
@@ -838,7 +840,7 @@ def test_a_file_system_that_opens_with_o_direct_but_refuses_its_reads_is_read_bu
         tried.append(fd)
         raise OSError(errno.EINVAL, "Invalid argument")
 
-    monkeypatch.setattr(cuda._Lane, "copy_direct", refused)
+    monkeypatch.setattr(cuda.Lane, "copy_direct", refused)
     monkeypatch.setattr(cuda, "resident", lambda fd, offset, nbytes: False)
     monkeypatch.setattr(cuda, "_BUFFERED_DEVICES", set())
     caplog.set_level(logging.INFO, logger="wcd")
@@ -883,15 +885,15 @@ def test_a_held_call_that_fails_says_so_in_one_line(cuda_module: Any, monkeypatc
         CUDA_ERROR_INVALID_VALUE = 1
         CUDA_ERROR_OUT_OF_MEMORY = 2
 
-    monkeypatch.setattr(cuda_module, "_SUCCESS", CUresult.CUDA_SUCCESS)
+    monkeypatch.setattr(cuda_module, "SUCCESS", CUresult.CUDA_SUCCESS)
     monkeypatch.setattr(cuda_module.cuda, "CUresult", CUresult, raising=False)
     monkeypatch.setattr(cuda_module.cuda, "cuGetErrorString", lambda err: (CUresult.CUDA_SUCCESS, b"bad value"),
                         raising=False)
-    cuda_module._check_held(0, "cuEventRecord")
+    cuda_module.check_held(0, "cuEventRecord")
     line = r"^CUDA cuEventRecord failed: CUDA_ERROR_INVALID_VALUE \(bad value\)$"
     with pytest.raises(cuda_module.Internal, match=line):
-        cuda_module._check_held(1, "cuEventRecord")
+        cuda_module.check_held(1, "cuEventRecord")
     with pytest.raises(cuda_module.OutOfMemory, match="cuMemcpyHtoDAsync failed: CUDA_ERROR_OUT_OF_MEMORY"):
-        cuda_module._check_held(2, "cuMemcpyHtoDAsync")
+        cuda_module.check_held(2, "cuMemcpyHtoDAsync")
     with pytest.raises(cuda_module.Internal, match=r"^CUDA cuMemcpyHtoDAsync failed: error 999$"):
-        cuda_module._check_held(999, "cuMemcpyHtoDAsync")
+        cuda_module.check_held(999, "cuMemcpyHtoDAsync")

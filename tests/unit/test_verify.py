@@ -15,8 +15,9 @@ from safetensors.torch import save_file
 
 from wcd import loader
 from wcd.arenas.host import HostArena
-from wcd.checkpoint import Checkpoint, read_header
+from wcd.checkpoint import Checkpoint
 from wcd.errors import LoadFailed, NotFound
+from wcd.headers import read_header
 from wcd.loader import Progress, digest_arena, fill_arena, verify_arena
 from wcd.manifest import Manifest
 

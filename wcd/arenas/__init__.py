@@ -12,15 +12,24 @@ import sys
 import threading
 from collections.abc import Iterable
 
-from wcd import DISTRIBUTION
-from wcd.arenas.base import HOST_DEVICE, Arena, ArenaBackend, ArenaWriter, DeviceInfo
+from wcd import DISTRIBUTION, HOST_DEVICE
+from wcd.arenas.base import Arena, ArenaBackend, ArenaWriter, DeviceInfo
 from wcd.errors import BadRequest, DeviceUnavailable
+from wcd.tuning import DEFAULT, LoadTuning
 
 __all__ = ["Arena", "ArenaBackend", "ArenaWriter", "DeviceInfo", "backend_for", "device_memory", "is_gpu_device",
-           "loaded_backends", "start_driver"]
+           "loaded_backends", "released_held", "set_tuning", "start_driver"]
 
 _backends: dict[str, ArenaBackend] = {}
 _backends_lock = threading.Lock()
+_tuning = DEFAULT
+
+
+def set_tuning(tuning: LoadTuning) -> None:
+    """Build the backends made from now on with `tuning` (a benchmark's variant, set before the
+    daemon starts); the daemon itself keeps the defaults."""
+    global _tuning
+    _tuning = tuning
 
 
 def is_gpu_device(device: str) -> bool:
@@ -44,6 +53,7 @@ def _new_backend(kind: str, device: str) -> ArenaBackend:
         from wcd.arenas.host import HostBackend
 
         backend = HostBackend()
+        backend.tuning = _tuning
     elif kind == "cuda":
         try:
             from wcd.arenas.cuda import CudaBackend
@@ -51,7 +61,7 @@ def _new_backend(kind: str, device: str) -> ArenaBackend:
             if (e.name or "").partition(".")[0] != "cuda":
                 raise
             raise DeviceUnavailable(_missing_bindings(device)) from None
-        backend = CudaBackend()
+        backend = CudaBackend(_tuning)
     else:
         raise BadRequest(f"unknown device {device!r}: use \"cpu\", \"cuda:N\" or a GPU UUID (GPU-...)")
     _backends[kind] = backend
@@ -110,6 +120,13 @@ def _bindings_installed() -> bool:
 def _missing_bindings(device: str) -> str:
     return (f"device {device!r} needs cuda-bindings, which is not installed: install the wcd-cuda "
             f"package, or wcd's cuda extra (pip install '{cuda_requirement()}') in its environment")
+
+
+def released_held(device: str) -> int:
+    """Bytes of `device`'s arenas the daemon closed that other processes still map (0 for a device
+    whose backend was never used)."""
+    backend = _backends.get("cuda" if is_gpu_device(device) else device)
+    return backend.released_held() if backend is not None else 0
 
 
 def loaded_backends() -> list[ArenaBackend]:

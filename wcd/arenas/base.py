@@ -18,12 +18,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from wcd.errors import NotFound
+from wcd.tuning import DEFAULT, LoadTuning
 
 if TYPE_CHECKING:  # not at run time: clients import this module, and need no checkpoint code
     from wcd.checkpoint import Run
 
-# The device name of host memory (sealed memfds); GPUs are "cuda:N" or a GPU UUID.
-HOST_DEVICE = "cpu"
 # Guards every arena's count of workers using it: held for a few instructions twice per job.
 _USES = threading.Lock()
 
@@ -163,6 +162,7 @@ class Arena(ABC):
     kind: str  # "host" or "cuda": tells the client how to map the fd
     device: str  # canonical device id
     size: int  # bytes allocated (manifest size rounded up to the backend's granularity)
+    tuning: LoadTuning = DEFAULT  # its backend's: how loads into it read and copy
     _users = 0  # workers inside `in_use` (class defaults: backends need not call a base __init__)
     _closing = False
 
@@ -234,6 +234,8 @@ class Arena(ABC):
 
 
 class ArenaBackend(ABC):
+    tuning: LoadTuning = DEFAULT  # what its arenas' loads are built with (`wcd.arenas.set_tuning`)
+
     @abstractmethod
     def canonical(self, device: str) -> str:
         """The stable identity of `device` ("cpu", or the GPU UUID for "cuda:N")."""
@@ -248,6 +250,12 @@ class ArenaBackend(ABC):
 
     @abstractmethod
     def info(self, device: str) -> DeviceInfo: ...
+
+    def released_held(self) -> int:
+        """Bytes of arenas this backend closed that other processes still hold (mapped after their
+        leases ended): memory the daemon cannot take back, which admission counts. This default
+        knows of none."""
+        return 0
 
     def total_memory(self, device: str) -> int:
         """The device's memory in bytes (what fractional budgets are of); backends answer faster

@@ -115,14 +115,11 @@ def load_library(name: str) -> ctypes.CDLL:
 class HeldCalls:
     """Three driver calls of the loader's copy loop, bound through `ctypes.PyDLL`: they keep the GIL.
     cuda-bindings releases it around every call, and a thread that gives it up for a call of a few
-    microseconds then waits its turn to take it back behind 15 others (the H200's 1.6 GB cold loads
-    in 512 KiB O_DIRECT reads: 0.65-0.97 ms per read outside the read and the waits for copies;
-    0.34-0.39 ms with the copy and the record kept). Only calls that never block belong here: a
-    copy from pinned memory onto a stream with at most a lane's buffers queued, an event record,
-    and an event query (it answers CUDA_ERROR_NOT_READY rather than wait). Streams and events are
-    cuda-bindings' objects (their handles are `int()` of them); each call returns the CUresult as
-    an int. With the copies keeping the GIL, the H200's cold loads in 512 KiB O_DIRECT reads spent
-    0.86 s copying 1.6 GB against 0.95 (medians of five)."""
+    microseconds then waits its turn to take it back behind the other loader threads, per read.
+    Only calls that never block belong here: a copy from pinned memory onto a stream with at most a
+    lane's buffers queued, an event record, and an event query (it answers CUDA_ERROR_NOT_READY
+    rather than wait). Streams and events are cuda-bindings' objects (their handles are `int()` of
+    them); each call returns the CUresult as an int. Measured: bench/RESULTS.md (load)."""
 
     def __init__(self, library: str = "libcuda.so.1") -> None:
         lib = ctypes.PyDLL(library)  # the handle `load_library` or cuda-bindings already opened

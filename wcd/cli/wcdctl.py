@@ -1,6 +1,7 @@
 """`wcdctl`: inspect and steer a running daemon. Parsing and printing only.
 
-Exit codes: 0 ok, 1 the daemon replied with an error, 2 usage, 3 daemon unreachable. The daemon
+Exit codes: 0 ok, 1 the daemon replied with an error, 2 usage, 3 daemon unreachable, 4 (`status`)
+a configured model failed to load. The daemon
 is `--socket PATH`, else `--instance NAME` (`$WCD_RUN_DIR/NAME.sock`, /run/wcd by default), else
 `$WCD_SOCKET`, else the only socket in the run directory. Every
 failure is one line on stderr; `--json` prints exactly one JSON document on stdout. A reader
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from typing import Any
@@ -19,12 +21,12 @@ from typing import Any
 from wcd import __version__
 from wcd.cli import Parser, die, quiet_on_closed_pipe
 from wcd.client import Client
-from wcd.config import counted, format_progress, format_size
 from wcd.configfile import RUN_DIR, instance_socket_path, instance_sockets
 from wcd.errors import DaemonUnavailable, PermissionDenied, WcdError
+from wcd.units import counted, describe_progress, format_duration, format_size
 
 PROG = "wcdctl"
-EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE = 1, 2, 3
+EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_FAILED = 1, 2, 3, 4
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -75,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     except WcdError as e:
         die(PROG, f"{e.message} [{e.code}]", EXIT_ERROR)
     except KeyboardInterrupt:
+        if args.command == "load" and args.wait:
+            die(PROG, f"interrupted: the load of {args.name} goes on in the daemon (wcdctl status shows it; "
+                f"wcdctl evict {args.name} stops it)", 130)
         die(PROG, "interrupted", 130)
     if args.json:
         json.dump(result, sys.stdout, indent=2, sort_keys=True)
@@ -83,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         print(_render(args.command, result))
     if args.command == "verify" and not result.get("match"):
         return EXIT_ERROR
+    if args.command == "status" and any(e["state"] == "failed" and e["origin"] == "config" for e in result["entries"]):
+        return EXIT_FAILED
     return 0
 
 
@@ -121,11 +128,43 @@ def _run(client: Client, args: argparse.Namespace) -> dict[str, Any]:
         text = client.metrics()
         return {"text": text} if not args.json else {"metrics": _samples(text)}
     if cmd == "load":
-        return {"entry": client.load(args.name, args.path, device=args.device, retention=args.retention,
-                                     wait=args.wait)}
+        # A bar only for a person watching: nothing extra on a pipe, in a file or with --json.
+        shown = args.wait and not args.json and sys.stdout.isatty() and sys.stderr.isatty()
+        entry = client.load(args.name, args.path, device=args.device, retention=args.retention,
+                            wait=args.wait and not shown)
+        return {"entry": _watch(client, entry) if shown and entry["state"] == "loading" else entry}
     if cmd == "evict":
         return _strip(client.evict(args.name))
     return _strip(client.verify(args.name))
+
+
+WATCH_EVERY_S = 0.25  # how often `load --wait` on a terminal asks how far the load got
+
+
+def _watch(client: Client, entry: dict[str, Any]) -> dict[str, Any]:
+    """Follow a load in the daemon with a progress bar on stderr (phase, bytes, rate, time left)
+    until it is ready; a load that fails or goes away raises, as `load --wait` would."""
+    from tqdm import tqdm
+
+    from wcd.errors import LoadFailed, NotFound
+
+    name = entry["name"]
+    # The terminal's size, or 80x24 where it says 0x0 (a pty nobody sized): tqdm would draw nothing.
+    size = shutil.get_terminal_size()
+    with tqdm(total=entry["progress"]["total"], unit="B", unit_scale=True, unit_divisor=1024, ncols=size.columns,
+              nrows=size.lines,
+              desc=f"{name}: {entry['progress'].get('phase') or 'loading'}") as bar:
+        while entry["state"] in ("loading", "evicting"):
+            time.sleep(WATCH_EVERY_S)
+            entry = next((e for e in client.list() if e["name"] == name), {"state": "gone"})
+            if entry["state"] == "failed":
+                raise LoadFailed(entry["reason"], {"name": name})
+            if entry["state"] == "gone":
+                raise NotFound(f"{name} went away while loading (evicted?): wcdctl status shows what is there")
+            progress = entry["progress"]
+            bar.set_description(f"{name}: {progress.get('phase') or entry['state']}", refresh=False)
+            bar.update(progress["done"] - bar.n)
+    return entry
 
 
 def _samples(text: str) -> list[dict[str, Any]]:
@@ -173,9 +212,12 @@ def _render(cmd: str, r: dict[str, Any]) -> str:
 
 
 def _status(r: dict[str, Any]) -> str:
+    failures = sum(e["state"] == "failed" for e in r["entries"])
+    failed = f"{failures} failed, " if failures else ""
     lines = [f"wcd {r['version']}  instance {r['instance']}  pid {r['pid']}  "
-             f"up {_duration(r['uptime_s'])}  {r['socket']}",
-             f"{counted(len(r['entries']), 'entry')}, {counted(r['leases'], 'lease')}, "
+             f"up {format_duration(r['uptime_s'])}  {r['socket']}",
+             f"{counted(sum(e['state'] != 'failed' for e in r['entries']), 'entry')}, "
+             f"{failed}{counted(r['leases'], 'lease')}, "
              f"{counted(r['connections'], 'connection')}, "
              f"lease TTL {r['lease_ttl_s']:g}s", ""]
     lines.append(_table(["DEVICE", "NAME", "TOTAL", "FREE", "BUDGET", "USED BY WCD"], [
@@ -183,7 +225,6 @@ def _status(r: dict[str, Any]) -> str:
          format_size(d["used"])]
         for d in r["devices"]]))
     lines += ["", _entries(r["entries"])]
-    lines += [f"  {e['name']}: {note}" for e in r["entries"] for note in e.get("notes", [])]
     return "\n".join(lines)
 
 
@@ -195,24 +236,19 @@ def _entries(entries: list[dict[str, Any]]) -> str:
         state = e["state"]
         p = e["progress"]
         if state == "loading" and p["total"]:
-            state += " " + format_progress(p["done"], p["total"])
+            state += " " + describe_progress(p)
         rows.append([e["name"], state, e["device"], format_size(e["bytes"]), str(e["tensors"]), str(e["leases"]),
-                     e["retention"], e["origin"], _duration(e["idle_s"])])
-    return _table(["ENTRY", "STATE", "DEVICE", "SIZE", "TENSORS", "LEASES", "RETENTION", "ORIGIN", "IDLE"], rows)
+                     e["retention"] or "-", e["origin"], format_duration(e["idle_s"])])
+    table = _table(["ENTRY", "STATE", "DEVICE", "SIZE", "TENSORS", "LEASES", "RETENTION", "ORIGIN", "IDLE"], rows)
+    notes = [f"  {e['name']}: {note}" for e in entries for note in e.get("notes", [])]
+    notes += [f"  {e['name']}: loaded again; the copy before went at {e['previous']}" for e in entries
+              if e.get("previous")]
+    return "\n".join([table, *notes])
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows])
-
-
-def _duration(s: float) -> str:
-    s = int(s)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from wcd.client import Client, Lease
-from wcd.errors import DaemonUnavailable, NotFound, PermissionDenied
+from wcd.errors import BadReply, DaemonUnavailable, NotFound, PermissionDenied
 from wcd.integrations import trust
 from wcd.integrations.torch import AttachMismatch, attach
 from wcd.key import fingerprint_checkpoint
@@ -130,10 +130,13 @@ def _find_entry(client: Client, folder: Path, fingerprint: str, entry: str | Non
             lease = client.acquire(name, timeout_s=timeout_s)
         except NotFound:
             continue
+        except BadReply as e:  # an entry no client can map (another uid crafted it): the disk still serves
+            log.warning("wcd: not using entry %s: %s", name, e.message)
+            continue
         publisher = trust.accepted_publisher(client, lease, trusted)
         if publisher is None:
-            log.warning("wcd: entry %s was published by uid %s, which this process does not trust: not using it "
-                        "(trusted: the daemon, this uid, trusted_publishers)", name, lease.publisher_uid)
+            log.warning("wcd: entry %s was %s, which this process does not trust: not using it "
+                        "(trusted: the daemon, this uid, trusted_publishers)", name, trust.whose(lease))
         elif lease.key.fingerprint == fingerprint and lease.key.transform == "raw":
             return lease, publisher
         else:

@@ -37,17 +37,28 @@ def server_uids() -> frozenset[int]:
 
 def accepted_publisher(client: Client, lease: Lease, trusted: Iterable[int] = ()) -> str | None:
     """Why `lease`'s entry may be attached ("the daemon (uid N)", "own uid N", "trusted publisher
-    uid N"), or None: its publisher is none of those, or the daemon does not say who it is."""
-    uid = lease.publisher_uid
+    uid N"), or None: its publisher is none of those, or the daemon does not say who it is. An
+    entry an admin's `load` made is judged by the uid that asked (`asked_by`): the daemon read
+    what that uid pointed it at, so it is the daemon's own load only if the daemon's uid asked."""
+    uid = lease.asked_by if lease.origin == "load" and lease.asked_by is not None else lease.publisher_uid
     if type(uid) is not int:
         return None
+    own_load = lease.origin in ("config", "load")
     if uid == client.server.get("uid"):
-        return f"the daemon (uid {uid}{', its own load' if lease.origin in ('config', 'load') else ''})"
+        return f"the daemon (uid {uid}{', its own load' if own_load else ''})"
     if uid == os.getuid():
-        return f"own uid {uid}"
+        return f"own uid {uid}{' (its load)' if own_load else ''}"
     if uid in set(client.server.get("trusted_publishers", ())) | set(trusted):
-        return f"trusted publisher uid {uid}"
+        return f"trusted {'uid' if own_load else 'publisher uid'} {uid}{' (its load)' if own_load else ''}"
     return None
 
 
-__all__ = ["DAEMON_USER", "accepted_publisher", "server_uids"]
+def whose(lease: Lease) -> str:
+    """Who put `lease`'s bytes there, for a refusal: "published by uid N" or "loaded from a path
+    uid N gave" (`accepted_publisher` judges that uid)."""
+    if lease.origin == "load" and lease.asked_by is not None:
+        return f"loaded from a path uid {lease.asked_by} gave"
+    return f"published by uid {lease.publisher_uid}"
+
+
+__all__ = ["DAEMON_USER", "accepted_publisher", "server_uids", "whose"]

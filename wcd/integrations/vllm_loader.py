@@ -21,7 +21,7 @@ from wcd.client import Client, Lease
 from wcd.errors import KeyMismatch, NotFound, WcdError
 from wcd.integrations import trust
 from wcd.integrations.snapshot import bind, meta_leftovers, publish_snapshot, read_meta, state_before_processing
-from wcd.integrations.vllm import (
+from wcd.integrations.vllm_shared import (
     IncompatibleVllm,
     Options,
     UnsupportedPreprocessed,
@@ -398,8 +398,8 @@ def _trusted(client: Client, lease: Lease, reasons: list[str]) -> Lease | None:
     if why is not None:
         log.info("wcd: using %s, published by %s", lease.entry, why)
         return lease
-    reasons.append(f"entry {lease.entry!r} was published by uid {lease.publisher_uid}, which this engine "
-                   "does not trust (its own uid, the daemon's, or the daemon's trusted_publishers)")
+    reasons.append(f"entry {lease.entry!r} was {trust.whose(lease)}, which this engine does not trust "
+                   "(its own uid, the daemon's, or the daemon's trusted_publishers)")
     log.warning("wcd: not using %s", reasons[-1])
     lease.release()
     return None
