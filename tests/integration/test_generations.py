@@ -245,3 +245,21 @@ def test_watch_and_series_errors_are_one_line(make_daemon: Any) -> None:
 
     with pytest.raises(PermissionDenied, match="reserved"):  # a raw checkpoint's transform, as any publish
         c.reserve(WeightCacheKey(model="x"), {"x": (torch.float32, (4,))}, series="p")
+
+
+def test_wcdctl_lists_generations_and_rolls_a_series_back(make_daemon: Any) -> None:
+    daemon = make_daemon()
+    trainer = daemon.client()
+    trainer.publish_generation("policy", weights(1))
+    trainer.publish_generation("policy", weights(2))
+    wcdctl = [str(Path(sys.executable).parent / "wcdctl"), "--socket", str(daemon.socket)]
+    if not Path(wcdctl[0]).exists():
+        wcdctl = [sys.executable, "-m", "wcd.cli.wcdctl", "--socket", str(daemon.socket)]
+    listed = subprocess.run([*wcdctl, "list"], capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0 and "policy@1" in listed.stdout and "previous" in listed.stdout, listed
+    out = subprocess.run([*wcdctl, "rollback", "policy"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "policy: generation 1 is current again (policy@1; 0 followers told)"
+    again = subprocess.run([*wcdctl, "rollback", "policy", "--to", "7"], capture_output=True, text=True, timeout=60)
+    assert again.returncode != 0 and len(again.stderr.strip().splitlines()) == 1, again.stderr
+    assert "generation 7 is not kept" in again.stderr
