@@ -78,14 +78,14 @@ bench: venv
 DEVICE_PYTHON ?= 3.12
 DEVICE_DEPS := annotated-types|pydantic|pydantic_core|typing-inspection|sdnotify
 PEER_LOADERS ?= fastsafetensors==0.5.0 instanttensor==0.2.2 runai-model-streamer==0.17.1
-device-wheels: $(VENV)/.ready
+device-wheels:  # pip only: no project venv needed
 	rm -rf .whl && mkdir .whl
 	pins="$$(grep -oE '^($(DEVICE_DEPS))==[^ ]+' packaging/locks/wcd.txt)" && \
-	"$(BIN)/pip" download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+	$(PYTHON) -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
 	  --python-version $(DEVICE_PYTHON) --implementation cp --platform manylinux_2_28_x86_64 \
 	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
 	  $$(echo "$$pins" | grep -v '^sdnotify') $(PEER_LOADERS) && \
-	"$(BIN)/pip" wheel -q --disable-pip-version-check --no-deps -w .whl $$(echo "$$pins" | grep '^sdnotify')
+	$(PYTHON) -m pip wheel -q --disable-pip-version-check --no-deps -w .whl $$(echo "$$pins" | grep '^sdnotify')
 	du -sh .whl
 
 clean-venv:

@@ -8,7 +8,8 @@ this interpreter's sys.path), unless `--python-flags ""`.
 
 Checkpoints are bench_load's synthetic ones (`--ckpt GB:TENSORS`, written once under `--dir`).
 A `--variant` adds its config lines; variants that set load tuning are refused (the daemon is
-exec'd as systemd would, with nothing set beforehand). One JSON line per variant.
+exec'd as systemd would, with nothing set beforehand). `--device cuda:0,cpu` runs each device in
+turn. One JSON line per device and variant.
 
     python bench/bench_restart.py --ckpt 0.1:200 [--ckpt 1.6:100000 ...] [--device cuda:0] [--reserve 64]
 """
@@ -52,15 +53,16 @@ def main() -> int:
         ckpts.append(d)
     result: dict[str, Any] = {**common.run_info(args.device, args.variant), "rows": []}
     try:
-        for v in args.variant:
-            result["rows"].append(restarts(v, ckpts, args))
-            print(json.dumps(result["rows"][-1]), flush=True)
+        for device in args.device.split(","):
+            for v in args.variant:
+                result["rows"].append(restarts(v, device, ckpts, args))
+                print(json.dumps(result["rows"][-1]), flush=True)
     finally:
         common.write_json(args.json, result)
     return 0
 
 
-def restarts(v: Variant, ckpts: list[Path], args: Any) -> dict[str, Any]:
+def restarts(v: Variant, device: str, ckpts: list[Path], args: Any) -> dict[str, Any]:
     flags = tuple(args.python_flags.split())
     # With -S the daemon finds its modules only on PYTHONPATH, as the launcher's vendored directory.
     env = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)} if "-S" in "".join(flags) else {}
@@ -69,7 +71,7 @@ def restarts(v: Variant, ckpts: list[Path], args: Any) -> dict[str, Any]:
         cfg = root / "wcd.toml"
         text = f'[daemon]\nsocket = "{root / "unused.sock"}"\n{v.config_lines()}'
         for i, path in enumerate(ckpts):
-            text += f'\n[[models]]\nname = "m{i}"\npath = "{path}"\ndevice = "{args.device}"\n'
+            text += f'\n[[models]]\nname = "m{i}"\npath = "{path}"\ndevice = "{device}"\n'
         cfg.write_text(text)
         systemd = FakeSystemd(root)
         try:
@@ -81,8 +83,8 @@ def restarts(v: Variant, ckpts: list[Path], args: Any) -> dict[str, Any]:
                     log.seek(0)
             with Client(systemd.sock_path) as c:
                 for i, gb in enumerate(args.reserve):
-                    device = c.list()[0]["device"] if ckpts else args.device
-                    key = WeightCacheKey(model=f"r{i}", transform="bench/reserved", device=device)
+                    on = c.list()[0]["device"] if ckpts else device
+                    key = WeightCacheKey(model=f"r{i}", transform="bench/reserved", device=on)
                     n = int(gb * GiB) // GiB
                     c.reserve(key, {f"t{j}": ("BF16", (GiB // 2,)) for j in range(n)}).commit()
             time.sleep(0.5)  # parked
@@ -107,7 +109,7 @@ def restarts(v: Variant, ckpts: list[Path], args: Any) -> dict[str, Any]:
             systemd.close()
     return {"variant": v.name, "daemon_says": phases[-args.restarts:], "exec_to_ready_s": times,
             "exec_to_served_s": served, "adopted": adopted, "checkpoints": [str(p) for p in ckpts],
-            "reserved_gb": args.reserve, "python_flags": args.python_flags, "device": args.device}
+            "reserved_gb": args.reserve, "python_flags": args.python_flags, "device": device}
 
 
 if __name__ == "__main__":

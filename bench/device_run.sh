@@ -12,8 +12,9 @@
 #   bash bench/device_run.sh all       tests, restart, admit, attach (1k, 100k) and load (wcd and fastsafetensors),
 #                                      fewer rounds: all in one call
 # Arguments after the run's name go to its benchmarks (`load --variant default,buffered`).
-# What comes back ($OUT): run.log (everything printed), gpu-tests.log, NAME.json per benchmark
-# and load-daemon.log (the default daemon's log at debug level).
+# What comes back ($OUT, at most 8 files): run.log (everything printed), gpu-tests.log, NAME.json
+# per benchmark (load-warm, load-cold, restart: cuda:0 and cpu rows) and load-daemon.log (the cold
+# loads' daemon log at debug level; other variants' logs beside it would pass the 8).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/wcd-device-out}
@@ -63,14 +64,12 @@ load() {  # [timeout [cold rounds [warm loaders]]]
 
 restart() {  # [timeout]
   local t=${1:-200}
-  for dev in $(echo "$DEV cpu" | tr " " "\n" | sort -u); do
-    timeout "$((t / 2))" python3 bench/bench_restart.py --device "$dev" --dir "$DATA" --ckpt 0.1:200 \
-      --ckpt 1.6:100000 --restarts 3 --json "$OUT/restart-${dev%%:*}.json" ${EXTRA[@]+"${EXTRA[@]}"} \
-      | python3 -c "import json, sys
+  timeout "$t" python3 bench/bench_restart.py --device "$(echo "$DEV,cpu" | sed 's/^cpu,cpu$/cpu/')" --dir "$DATA" \
+    --ckpt 0.1:200 --ckpt 1.6:100000 --restarts 3 --json "$OUT/restart.json" ${EXTRA[@]+"${EXTRA[@]}"} \
+    | python3 -c "import json, sys
 for line in sys.stdin:
-    r = json.loads(line); print('$dev', r['variant'], [round(x, 3) for x in r['exec_to_ready_s']],
+    r = json.loads(line); print(r['device'], r['variant'], [round(x, 3) for x in r['exec_to_ready_s']],
                                [round(x, 3) for x in r['exec_to_served_s']], r['daemon_says'][-1][:160])"
-  done
 }
 
 admit() {  # [timeout]

@@ -60,6 +60,15 @@ def park(entry: Entry) -> None:
     record.parked = True
 
 
+def unpark(entry: Entry) -> None:
+    """Take a parked entry's fds out of systemd's fd store: a restart will not find it."""
+    record = life(entry)
+    if record.parked:
+        record.parked = False
+        for name in parking.fd_names(entry.key, entry.publisher):
+            unstore(name)
+
+
 def sort_stored(fds: list[tuple[int, str]], admit: Callable[[parking.ParkedEntry, int], object]) -> None:
     """Pair the fds systemd kept for us into (record, arena fd) and `admit` each pair (which owns
     the arena fd from then on); drop and unstore anything unknown, corrupt, or that `admit` refuses

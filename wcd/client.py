@@ -16,13 +16,14 @@ import builtins
 import itertools
 import logging
 import os
+import select as _select
 import socket
 import stat
 import struct
 import sys
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -71,11 +72,14 @@ class Lease:
 
     kind = "read"
 
-    def __init__(self, client: Client, reply: dict[str, Any], fd: int) -> None:
+    def __init__(self, client: Client, reply: dict[str, Any], fd: int, mapping: str = "map") -> None:
+        """`mapping`: "map" the arena, map it "remappable" (`Follower`), or keep its "fd" unmapped
+        (to be mapped in place of another generation: `Follower`)."""
         self.client = client
         self.lost = False  # set when a heartbeat finds the daemon no longer holds this lease
         self.released = False
         self._mapped: MappedArena | None = None
+        self._arena_fd: int | None = None
         try:
             with _decoding(f"{self.kind} lease reply"):
                 self.id: int = _field(reply, "lease", int)
@@ -93,11 +97,15 @@ class Lease:
             if hasattr(self, "id"):
                 self.client._end_lease(self, "abort" if self.kind == "fill" else "release")
             raise
+        if mapping == "fd":
+            self._arena_fd = fd
+            return
         try:
             from wcd.views import map_arena
 
             with _decoding(f"the arena of {self.entry!r}"):
-                self._mapped = map_arena(self.arena, fd, self.manifest, writable=self.kind == "fill")
+                self._mapped = map_arena(self.arena, fd, self.manifest, writable=self.kind == "fill",
+                                         remappable=mapping == "remappable")
         except BaseException:
             self.client._end_lease(self, "abort" if self.kind == "fill" else "release")
             raise
@@ -125,7 +133,18 @@ class Lease:
         if self._mapped is not None:
             self._mapped.close()
             self._mapped = None
+        self._close_fd()
         self.client._end_lease(self, "release")
+
+    def _close_fd(self) -> None:
+        if self._arena_fd is not None:
+            os.close(self._arena_fd)
+            self._arena_fd = None
+
+    def _adopt_mapping(self, mapped: MappedArena) -> None:
+        """This lease's arena is now what `mapped` maps (`Follower`): its fd is no longer needed."""
+        self._mapped = mapped
+        self._close_fd()
 
     def __enter__(self) -> Lease:
         return self
@@ -193,6 +212,8 @@ class Client:
         self._broken: WcdError | None = None
         self._decoder = wire.FrameDecoder(max_array=wire.MAX_REPLY_ARRAY)
         self._leases: dict[int, Lease] = {}
+        self._events: deque[dict[str, Any]] = deque(maxlen=1024)  # announcements of watched series
+        self._watching: set[str] = set()
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
         self._heartbeats = heartbeats
@@ -341,7 +362,13 @@ class Client:
             if item is not None:
                 msg, fds = item
                 with self._cond:
-                    self._replies[msg.get("id")] = (msg, fds)
+                    if "event" in msg and msg.get("id") is None:  # unasked: a watched series changed
+                        for fd in fds:
+                            os.close(fd)
+                        self._events.append(msg)
+                        self._cond.notify_all()
+                    else:
+                        self._replies[msg.get("id")] = (msg, fds)
                 return
             try:
                 data, anc, flags, _ = self.sock.recvmsg(256 * 1024, _ANC, socket.MSG_CMSG_CLOEXEC)
@@ -418,6 +445,60 @@ class Client:
                     lease.lost = True
                     log.warning("wcd: lease %d on %s was lost (expired or daemon restarted)", lease_id, lease.entry)
 
+    def next_event(self, timeout: float | None = None) -> dict[str, Any] | None:
+        """The next announcement of a watched series (`watch`), waiting up to `timeout` s (None:
+        for ever); None if none came. Reads the socket itself when no other thread is reading."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._cond:
+                while True:
+                    if self._events:
+                        return self._events.popleft()
+                    if self._broken is not None:
+                        raise self._broken
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return None
+                    if not self._reading:
+                        self._reading = True
+                        break
+                    self._cond.wait(left)
+            try:
+                self._read_for(left)
+            finally:
+                with self._cond:
+                    self._reading = False
+                    self._cond.notify_all()
+
+    def _read_for(self, timeout: float | None) -> None:
+        """`_read_some`, giving up quietly after `timeout` s without a complete frame."""
+        if timeout is not None:
+            ready = _select.select([self.sock], [], [], timeout)[0]
+            if not ready and not self._decoder.has_frame():
+                return
+        self._read_some()
+
+    def watch(self, series: str) -> int:
+        """Be told (`next_event`) when a generation of `series` becomes current; its current one now (0: none)."""
+        generation = int(self.request("watch", series=series)["generation"])
+        self._watching.add(series)
+        return generation
+
+    def unwatch(self, series: str) -> None:
+        self.request("watch", series=series, stop=True)
+        self._watching.discard(series)
+
+    def rollback(self, series: str, generation: int | None = None) -> dict[str, Any]:
+        """Make a kept previous generation of `series` current again (its followers are told)."""
+        fields: dict[str, Any] = {"series": series}
+        if generation is not None:
+            fields["generation"] = generation
+        return self.request("rollback", **fields)
+
+    def follow(self, series: str, *, copy_into: Mapping[str, torch.Tensor] | None = None) -> Follower:
+        """Acquire the current generation of `series` and follow it (`Follower`)."""
+        return Follower(self, series, copy_into)
+
     @property
     def leases(self) -> list[Lease]:
         with self._cond:
@@ -467,35 +548,68 @@ class Client:
     def verify(self, target: str | WeightCacheKey) -> dict[str, Any]:
         return self.request("verify", **_target(target))
 
-    def acquire(self, target: str | WeightCacheKey, *, wait: bool = True, timeout_s: float = 3600.0) -> Lease:
-        """A read lease on an entry (by entry name or exact key), waiting while it loads."""
-        reply, fds = self.request_fds("acquire", wait=wait, timeout_s=timeout_s, **_target(target))
+    def acquire(self, target: str | WeightCacheKey, *, wait: bool = True, timeout_s: float = 3600.0,
+                digest: str | None = None) -> Lease:
+        """A read lease on an entry (by entry name or exact key), waiting while it loads. With
+        `digest` (the full content digest `verify` reports) the daemon attaches only an entry
+        holding exactly those bytes (it hashes an entry once, at commit or at the first such ask)."""
+        checked = {} if digest is None else {"digest": digest}
+        reply, fds = self.request_fds("acquire", wait=wait, timeout_s=timeout_s, **_target(target), **checked)
         return self._track(Lease(self, reply, _one_fd(fds)))
 
+    def _acquire_generation(self, series: str, generation: int | None, mapping: str) -> Lease:
+        """A lease on the current generation of `series`, or on generation `generation` of it."""
+        target = {"series": series} if generation is None else {"name": f"{series}@{generation}"}
+        reply, fds = self.request_fds("acquire", wait=False, **target)
+        return self._track(Lease(self, reply, _one_fd(fds), mapping=mapping))
+
     def reserve(self, key: WeightCacheKey, tensors: Mapping[str, tuple[Any, tuple[int, ...]]], *,
-                retention: str = "cached") -> FillLease:
+                retention: str = "cached", series: str | None = None) -> FillLease:
         """A fill lease on a fresh arena laid out for `tensors` ({name: (dtype, shape)})."""
         from wcd.views import wire_dtype
 
         rows = [(name, dtype if isinstance(dtype, str) else wire_dtype(dtype), list(shape))
                 for name, (dtype, shape) in tensors.items()]
         columns = Manifest.build(rows).to_wire()  # cheap for the daemon to check at 10^5 tensors
-        reply, fds = self.request_fds("reserve", key=key.model_dump(), retention=retention,
-                                      columns={k: columns[k] for k in TENSOR_COLUMNS})
+        listing: dict[str, Any] = {"columns": {k: columns[k] for k in TENSOR_COLUMNS}}
+        if series is not None:
+            listing["series"] = series
+        reply, fds = self.request_fds("reserve", key=key.model_dump(), retention=retention, **listing)
         return self._track(FillLease(self, reply, _one_fd(fds)))  # type: ignore[return-value]
 
-    def publish(self, key: WeightCacheKey, tensors: Mapping[str, torch.Tensor], *, retention: str = "cached") -> str:
-        """Reserve, copy `tensors` in, commit. Returns the new entry's name."""
-        fill = self.reserve(key, {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()}, retention=retention)
+    def publish(self, key: WeightCacheKey, tensors: Mapping[str, torch.Tensor], *, retention: str = "cached",
+                series: str | None = None) -> str:
+        """Reserve, copy `tensors` in, commit. Returns the new entry's name. With `series`, the entry
+        is that series' next generation (`publish_generation`)."""
+        fill = self.reserve(key, {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()}, retention=retention,
+                            series=series)
         try:
             views = fill.tensors
             for name, t in tensors.items():
-                views[name].copy_(t)
+                views[name].copy_(t, non_blocking=True)
+            if views and next(iter(views.values())).is_cuda:
+                import torch
+
+                torch.cuda.synchronize(next(iter(views.values())).device)
             del views
             return fill.commit()
         except BaseException:
             fill.abort()
             raise
+
+    def publish_generation(self, series: str, tensors: Mapping[str, torch.Tensor], *, device: str | None = None,
+                           retention: str = "cached") -> int:
+        """Publish `tensors` as the next generation of `series` and make it current; returns its
+        number. The first generation fixes the series' layout (names, dtypes, shapes, order);
+        each next one must match it. `device`: where the arena lives (default: the tensors' GPU,
+        by UUID, or host memory for CPU tensors)."""
+        from wcd.key import WeightCacheKey
+
+        if device is None:
+            device = _device_of(tensors)
+        key = WeightCacheKey(model=series, transform="generations", device=device)
+        name = self.publish(key, tensors, retention=retention, series=series)
+        return int(name.rpartition("@")[2])
 
     # -- lifetime ---------------------------------------------------------------------------
 
@@ -517,6 +631,147 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class Follower:
+    """Follows a series: `tensors` keep their addresses while `update` moves them to another
+    generation.
+
+    In place (the default), the tensors are views of the generation's arena and `update` maps
+    the next generation's arena behind the same addresses (CUDA: unmap + map of the other
+    allocation at the same VA; host: mmap MAP_FIXED over the same range): no bytes copied,
+    captured CUDA graphs stay valid. With `copy_into` (an engine that owns its weights: a dict
+    of tensors with the series' names and layout), `update` copies the generation into them
+    (device to device) instead, and `tensors` are those. Either way an update is whole or not
+    at all: on failure the follower stays on the generation it was on.
+
+    Only one thread may call `update` at a time; nothing may run on the tensors during it (the
+    engine calls it between steps, as it would load weights).
+    """
+
+    def __init__(self, client: Client, series: str, copy_into: Mapping[str, torch.Tensor] | None = None) -> None:
+        self.client, self.series = client, series
+        self._into = dict(copy_into) if copy_into is not None else None
+        self.announced = client.watch(series)  # the current generation, as last announced
+        try:
+            lease = client._acquire_generation(series, None, "map" if self._into is not None else "remappable")
+        except BaseException:
+            client.unwatch(series)
+            raise
+        self.generation = int(lease.entry.rpartition("@")[2])
+        self.announced = self.generation
+        self._layout = lease.manifest.layout()
+        self.lease: Lease | None = lease  # copy-in followers hold none between updates
+        if self._into is not None:
+            try:
+                self._copy(lease)
+            finally:
+                lease.release()
+                self.lease = None
+        self.taken_s = 0.0  # how long the last update took (acquire, swap or copy, release)
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        if self._into is not None:
+            return self._into
+        if self.lease is None:
+            raise WcdError(f"the follower of {self.series!r} is closed")
+        return self.lease.tensors
+
+    def poll(self, timeout: float | None = 0.0) -> int:
+        """The current generation as last announced, waiting up to `timeout` s (None: until one
+        comes) for an announcement while it is the one followed."""
+        while self.announced == self.generation:
+            event = self.client.next_event(timeout)
+            if event is None:
+                break
+            self._note(event)
+        while (event := self.client.next_event(0.0)) is not None:
+            self._note(event)
+        return self.announced
+
+    def _note(self, event: dict[str, Any]) -> None:
+        if event.get("series") == self.series and isinstance(event.get("generation"), int):
+            self.announced = event["generation"]
+
+    def update(self, generation: int | None = None) -> bool:
+        """Move to `generation` (default: the current one); whether the tensors changed."""
+        started = time.perf_counter()
+        new = self.client._acquire_generation(self.series, generation, "map" if self._into is not None else "fd")
+        try:
+            number = int(new.entry.rpartition("@")[2])
+            if number == self.generation:
+                new.release()
+                return False
+            if new.manifest.layout() != self._layout:
+                raise BadRequest(f"generation {number} of {self.series!r} has another layout: it cannot be followed "
+                                 "in place")
+            if self._into is not None:
+                self._copy(new)
+                new.release()
+            else:
+                self._swap(new)
+        except BaseException:
+            new.release()
+            raise
+        old = self.lease
+        self.lease = new if self._into is None else None
+        self.generation = number
+        if old is not None:
+            old.release()
+        self.taken_s = time.perf_counter() - started
+        return True
+
+    def _swap(self, new: Lease) -> None:
+        """Map `new`'s arena behind the tensors of the lease followed now; `new` then holds that
+        mapping and the old lease's mapping object goes (its range now shows `new`'s bytes)."""
+        fd = new._arena_fd
+        if fd is None:
+            raise BadRequest("the new generation's descriptor is gone")
+        mapped = self.lease._mapped if self.lease is not None else None
+        if mapped is None:
+            raise BadRequest("the followed lease is released")
+        mapped.remap(new.arena, fd)
+        new._adopt_mapping(mapped)
+        self.lease._mapped = None  # type: ignore[union-attr]
+
+    def _copy(self, lease: Lease) -> None:
+        assert self._into is not None
+        source = lease.tensors
+        missing = source.keys() ^ self._into.keys()
+        if missing:
+            raise BadRequest(f"copy_into and generation differ in tensors: {sorted(missing)[:5]}")
+        for name, t in self._into.items():
+            t.copy_(source[name], non_blocking=True)
+        first = next(iter(self._into.values()), None)
+        if first is not None and first.is_cuda:
+            import torch
+
+            torch.cuda.synchronize(first.device)
+
+    def close(self) -> None:
+        """Release the lease and stop watching. Tensors of an in-place follower stay valid (their
+        mapping lives while they do) but no longer follow."""
+        if self.lease is not None:
+            self.lease.release()
+        if self.series in self.client._watching:
+            self.client.unwatch(self.series)
+
+    def __enter__(self) -> Follower:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _device_of(tensors: Mapping[str, torch.Tensor]) -> str:
+    """Where tensors live, as the daemon names devices: a GPU by UUID, else "cpu"."""
+    first = next(iter(tensors.values()), None)
+    if first is None or not first.is_cuda:
+        return "cpu"
+    import torch
+
+    return "GPU-" + str(torch.cuda.get_device_properties(first.device).uuid).removeprefix("GPU-")
 
 
 def connect(path: str | os.PathLike[str] | None = None, *, wait_s: float = 0.0,

@@ -121,6 +121,9 @@ class DaemonConfig(BaseModel):
     max_fds_per_connection: Annotated[int, Field(ge=1, le=4096)] = 64
     max_fds_per_uid: Annotated[int, Field(ge=2, le=1 << 20)] = 4096
     max_entries: Annotated[int, Field(ge=1, le=1 << 20)] = 4096
+    # Generations of a series kept, besides the current one, for rollback (and to readers still on them).
+    keep_generations: Annotated[int, Field(ge=0, le=64)] = 1
+    max_watches_per_connection: Annotated[int, Field(ge=1, le=4096)] = 64
     # Entries one uid may publish (a full daemon evicts its least recently used unleased entry).
     max_entries_per_uid: Annotated[int, Field(ge=1, le=1 << 20)] = 256
     # Leases one uid holds (read and fill, over all its connections).

@@ -10,6 +10,7 @@ the columns, never a Python step per tensor. No torch here.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 import sys
@@ -156,6 +157,7 @@ class Manifest:
         self.shape_ids, self.offsets, self.sizes, self.size = shape_ids, offsets, sizes, size
         self.runs = runs if runs is not None else array("I", [1]) * len(names)
         self._wire: dict[str, Any] | None = None
+        self._layout: str | None = None
         self.view_plan: Any = None
 
     # -- building (trusted input: checkpoint headers, reserve requests) ---------------------
@@ -288,6 +290,21 @@ class Manifest:
         if self._wire is None:
             self._wire = self.grouped().to_wire()
         return self._wire
+
+    def layout(self) -> str:
+        """A digest of the layout (names, dtypes, shapes, offsets, size): equal for two manifests
+        exactly when one arena's bytes can be read through the other's views. Kept once computed."""
+        digest = self._layout
+        if digest is None:
+            wire = self.to_wire()
+            h = hashlib.blake2b(digest_size=16)
+            for column in ("names", "dtypes", "shape_ndims", "shape_dims", "shape_ids", "offsets"):
+                data = wire[column]
+                h.update(len(data).to_bytes(8, "little"))
+                h.update(data.encode() if isinstance(data, str) else data)
+            h.update(self.size.to_bytes(8, "little"))
+            digest = self._layout = h.hexdigest()
+        return digest
 
     def wire_ready(self) -> bool:
         """Whether `wire()` is built (building it for 10^5 tensors takes a while)."""

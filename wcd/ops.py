@@ -28,7 +28,16 @@ from wcd import __version__, protocol
 from wcd.arenas import backend_for
 from wcd.cache import Cache, Entry, LeaseRecord
 from wcd.connection import Connection
-from wcd.errors import BadRequest, Busy, Internal, NotFound, PermissionDenied, UnsupportedVersion, WcdError
+from wcd.errors import (
+    BadRequest,
+    Busy,
+    Internal,
+    KeyMismatch,
+    NotFound,
+    PermissionDenied,
+    UnsupportedVersion,
+    WcdError,
+)
 from wcd.key import HOST_DEVICE, WeightCacheKey
 from wcd.manifest import Manifest
 from wcd.metrics import Metrics
@@ -91,7 +100,7 @@ def hello(ctx: Context, conn: Connection, req: protocol.Hello) -> None:
     gpus = any(d != HOST_DEVICE for d in ctx.state.cache.budgets)
     conn.send(protocol.ok(
         req.id, version=common[-1], server=f"wcd {__version__}", instance=ctx.state.instance,
-        features=["host-arenas", "publish", "verify", "metrics"] + (["cuda-arenas"] if gpus else []),
+        features=["host-arenas", "publish", "verify", "metrics", "generations"] + (["cuda-arenas"] if gpus else []),
         lease_ttl_s=ctx.state.config.daemon.lease_ttl_s, pid=os.getpid(), uid=os.getuid(),
         trusted_publishers=ctx.state.config.daemon.trusted_publishers,
         peer={"pid": conn.pid, "uid": conn.uid, "gid": conn.gid, "admin": ctx.is_admin(conn)}))
@@ -115,16 +124,46 @@ def status(ctx: Context, conn: Connection, req: protocol.Status) -> None:
         uptime_s=time.time() - state.started_at, socket=state.where, lease_ttl_s=cache.lease_ttl_s,
         devices=devices, entries=entries, leases=len(cache.leases), connections=len(state.connections),
         loading=[e["name"] for e in entries if e["state"] == "loading"],
-        failed=[e["name"] for e in entries if e["state"] == "failed"], counters=dict(cache.stats)))
+        failed=[e["name"] for e in entries if e["state"] == "failed"], counters=dict(cache.stats),
+        series=_series(ctx)))
 
 
 def list_entries(ctx: Context, conn: Connection, req: protocol.ListEntries) -> None:
-    conn.send(protocol.ok(req.id, entries=_described(ctx.state.cache)))
+    conn.send(protocol.ok(req.id, entries=_described(ctx.state.cache), series=_series(ctx)))
 
 
 def _described(cache: Cache) -> list[dict[str, Any]]:
     """Entries, then the loads that failed (state `failed`, with their reason)."""
     return [e.describe() for e in cache.entries.values()] + [f.describe() for f in cache.failures.values()]
+
+
+def _series(ctx: Context) -> list[dict[str, Any]]:
+    watchers = ctx.state.watchers
+    return [{**s.describe(), "watchers": watchers.count(s.name)} for s in ctx.state.cache.series.values()]
+
+
+def watch(ctx: Context, conn: Connection, req: protocol.Watch) -> None:
+    """Watch a series (it need not exist yet: a trainer may publish its first generation later)."""
+    if req.stop:
+        ctx.state.watchers.remove(conn, req.series)
+        conn.send(protocol.ok(req.id))
+        return
+    ctx.state.watchers.add(conn, req.series, ctx.state.config.daemon.max_watches_per_connection)
+    series = ctx.state.cache.series.get(req.series)
+    conn.send(protocol.ok(req.id, series=req.series, generation=series.current if series is not None else 0))
+
+
+def rollback(ctx: Context, conn: Connection, req: protocol.Rollback) -> None:
+    entry = ctx.residency.rollback(req.series, conn.uid, ctx.is_admin(conn), req.generation)
+    log.info("rolled %s back to generation %d (uid %d)", req.series, entry.generation, conn.uid)
+    told = _announce(ctx, entry, "rollback")
+    conn.send(protocol.ok(req.id, series=req.series, generation=entry.generation, entry=entry.name, told=told))
+
+
+def _announce(ctx: Context, entry: Entry, why: str) -> int:
+    assert entry.series is not None
+    return ctx.state.watchers.announce(entry.series.name, {"generation": entry.generation, "entry": entry.name,
+                                                           "why": why})
 
 
 def leases(ctx: Context, conn: Connection, req: protocol.Leases) -> None:
@@ -202,6 +241,13 @@ async def _find(ctx: Context, conn: Connection, target: str | WeightCacheKey, wa
 
 
 async def acquire(ctx: Context, conn: Connection, req: protocol.Acquire) -> None:
+    series = req.series_target()
+    if series is not None:  # a current generation is committed: ready, nothing to wait for
+        entry = ctx.state.cache.current(series)
+        await _wire_ready(ctx, conn, entry)
+        conn.quotas.fd_room(conn)
+        _send_lease(ctx, conn, req.id, ctx.state.cache.acquire(entry, conn, conn.pid, conn.uid))
+        return
     target = ctx.residency.resolve(req.target())
     deadline = time.monotonic() + req.timeout_s
     entry = await _find(ctx, conn, target, req.wait, deadline)
@@ -220,22 +266,38 @@ async def acquire(ctx: Context, conn: Connection, req: protocol.Acquire) -> None
                     entry.name, max(0.0, deadline - time.monotonic()))):
                 raise
             entry = ctx.state.cache.find(target, ctx.publishers(conn))
+    if req.digest is not None:
+        resident = await ctx.residency.content_digest(entry)
+        if resident != req.digest:
+            raise KeyMismatch(
+                f"entry {entry.name!r} holds other bytes than the content digest asked for ({resident[:16]}... "
+                f"resident, {req.digest[:16]}... asked): not attached", {"fields": ["digest"], "entry": entry.name,
+                                                                         "resident": resident})
     if not entry.manifest.wire_ready():  # once per entry: 10^5 tensors take a while
+        await asyncio.to_thread(entry.manifest.wire)
+    if ctx.state.cache.entries.get(entry.name) is not entry:
+        raise NotFound(f"entry {entry.name!r} was evicted while it was being acquired")
+    conn.quotas.fd_room(conn)
+    _send_lease(ctx, conn, req.id, ctx.state.cache.acquire(entry, conn, conn.pid, conn.uid))
+
+
+async def _wire_ready(ctx: Context, conn: Connection, entry: Entry) -> None:
+    """Build the manifest's wire form once per entry (10^5 tensors take a while)."""
+    if not entry.manifest.wire_ready():
         await asyncio.to_thread(entry.manifest.wire)
         if ctx.state.cache.entries.get(entry.name) is not entry:
             raise NotFound(f"entry {entry.name!r} was evicted while it was being acquired")
-    conn.quotas.fd_room(conn)
-    _send_lease(ctx, conn, req.id, ctx.state.cache.acquire(entry, conn, conn.pid, conn.uid))
 
 
 async def reserve(ctx: Context, conn: Connection, req: protocol.Reserve) -> None:
     _check_publishable(ctx, conn, req.key, req.retention)
     key = req.key.model_copy(update={"device": ctx.residency.canonical_device(req.key.device, from_peer=True)})
     conn.quotas.fd_room(conn)
-    manifest = await asyncio.to_thread(_reserved_manifest, req.columns)
+    manifest = await asyncio.to_thread(_reserved_manifest, req.columns, req.series is not None)
     name = f"{key.model}#{key.digest(conn.uid)[:8]}"  # one key, one entry per publisher
     _send_lease(ctx, conn, req.id, await ctx.residency.reserve(name, key, manifest, req.retention, conn,
-                                                               conn.pid, conn.uid))
+                                                               conn.pid, conn.uid, req.series,
+                                                               ctx.is_admin(conn) if req.series else False))
 
 
 def _check_publishable(ctx: Context, conn: Connection, key: WeightCacheKey, retention: str) -> None:
@@ -255,6 +317,10 @@ async def commit(ctx: Context, conn: Connection, req: protocol.Commit) -> None:
     entry = await ctx.residency.commit(conn, req.lease)
     log.info("published %s (%s, %d tensors, pid %d, uid %d)", entry.name, format_size(entry.manifest.nbytes),
              len(entry.manifest), conn.pid, conn.uid)
+    if entry.series is not None:
+        conn.send(protocol.ok(req.id, entry=entry.name, series=entry.series.name, generation=entry.generation,
+                              told=_announce(ctx, entry, "commit")))
+        return
     conn.send(protocol.ok(req.id, entry=entry.name))
 
 
@@ -314,11 +380,13 @@ async def verify(ctx: Context, conn: Connection, req: protocol.Verify) -> None:
                           mismatched=found.mismatched[:MISMATCHES_LISTED], mismatched_count=len(found.mismatched)))
 
 
-def _reserved_manifest(tensors: protocol.TensorColumns) -> Manifest:
-    """The layout of a reserve and the wire form its publisher gets: a while for 10^5 tensors, so
-    in a worker thread."""
+def _reserved_manifest(tensors: protocol.TensorColumns, generation: bool = False) -> Manifest:
+    """The layout of a reserve, the wire form its publisher gets and, for a generation, its layout
+    digest: a while for 10^5 tensors, so in a worker thread."""
     manifest = Manifest.layout_columns(tensors.model_dump())
     manifest.wire()
+    if generation:
+        manifest.layout()
     return manifest
 
 
@@ -366,6 +434,8 @@ OPS: dict[str, Op[Any]] = {
     "commit": Op(protocol.Commit, commit),
     "load": Op(protocol.Load, load),
     "verify": Op(protocol.Verify, verify),
+    "watch": Op(protocol.Watch, watch),
+    "rollback": Op(protocol.Rollback, rollback),
 }
 
 

@@ -50,6 +50,8 @@ def _no_control(name: str) -> str:
 
 Name = Annotated[str, StringConstraints(min_length=1, max_length=256), AfterValidator(_no_control)]
 LEASES_PER_PAGE = 1000  # a `leases` reply lists at most these; the client asks for the next page
+# A series' name: printable, no '@' (its generations are named series@N) and no control characters.
+SeriesName = Annotated[str, StringConstraints(min_length=1, max_length=200, pattern=r"^[^@\x00-\x1f\x7f]+$")]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,10 +103,26 @@ class _Target(_Req):
         return self.name if self.name is not None else self.key  # type: ignore[return-value]
 
 
-class Acquire(_Target):
+class _Generation(_Target):
+    """An entry, or the current generation of a series (`series`)."""
+
+    series: SeriesName | None = None
+
+    def series_target(self) -> str | None:
+        """The series asked for, if any (then neither a name nor a key may be given)."""
+        if self.series is not None and (self.name is not None or self.key is not None):
+            raise BadRequest("give exactly one of 'name', 'key' or 'series'")
+        return self.series
+
+
+class Acquire(_Generation):
+    """`digest`: the full content digest (as `verify` reports it) the reader wants checked: an
+    entry holding other bytes is refused `key_mismatch`."""
+
     op: Literal["acquire"]
     wait: StrictBool = True
     timeout_s: Annotated[float, Field(gt=0, le=24 * 3600)] = 3600.0
+    digest: Annotated[str, StringConstraints(pattern="^[0-9a-f]{64}$")] | None = None
 
 
 class Heartbeat(_Req):
@@ -134,6 +152,7 @@ class Reserve(_Req):
     key: WeightCacheKey
     columns: TensorColumns
     retention: Retention = "cached"
+    series: SeriesName | None = None  # reserve the next generation of this series
 
 
 class Commit(_Req):
@@ -167,8 +186,23 @@ class MetricsRequest(_Req):
     op: Literal["metrics"]
 
 
+class Watch(_Req):
+    """Be told over this connection when a generation of `series` becomes current (an event
+    frame: no id, `event: "generation"`); `stop` ends that."""
+
+    op: Literal["watch"]
+    series: SeriesName
+    stop: StrictBool = False
+
+
+class Rollback(_Req):
+    op: Literal["rollback"]
+    series: SeriesName
+    generation: Annotated[StrictInt, Field(ge=1, lt=1 << 62)] | None = None
+
+
 _REQUESTS: tuple[type[_Req], ...] = (Hello, Ping, Status, ListEntries, Leases, Acquire, Heartbeat, Release,
-                                     Reserve, Commit, Abort, Load, Evict, Verify, MetricsRequest)
+                                     Reserve, Commit, Abort, Load, Evict, Verify, MetricsRequest, Watch, Rollback)
 SCHEMAS: dict[str, type[_Req]] = {m.model_fields["op"].annotation.__args__[0]: m  # type: ignore[union-attr]
                                   for m in _REQUESTS}
 OPS: tuple[str, ...] = tuple(SCHEMAS)

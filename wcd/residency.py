@@ -38,7 +38,7 @@ from wcd.header_helpers import HeaderHelpers
 from wcd.header_helpers import default_count as default_helpers
 from wcd.key import WeightCacheKey, first_fingerprint
 from wcd.life import Life, life
-from wcd.loader import Cancelled, default_workers, fill_arena
+from wcd.loader import Cancelled, content_digest, default_workers, fill_arena
 from wcd.manifest import Manifest
 from wcd.metrics import Metrics
 from wcd.offloop import both, close_later, free_later, produced, using
@@ -268,12 +268,16 @@ class Residency:
     # -- publishing -------------------------------------------------------------------------
 
     async def reserve(self, name: str, key: WeightCacheKey, manifest: Manifest, retention: Retention,
-                      owner: Any, pid: int, uid: int) -> LeaseRecord:
-        """Admit a published entry (carrying `uid`) and allocate its empty arena: the fill lease,
-        whose TTL starts when the caller hands it out (`Cache.handed_out`)."""
+                      owner: Any, pid: int, uid: int, series: str | None = None,
+                      admin: bool = False) -> LeaseRecord:
+        """Admit a published entry (carrying `uid`; with `series`, its next generation) and allocate
+        its empty arena: the fill lease, whose TTL starts when the caller hands it out
+        (`Cache.handed_out`)."""
         backend = backend_for(key.device)
         entry, lease, victims = self.cache.reserve(
-            name, key, manifest, backend.arena_size(manifest.size, key.device), retention, owner, pid, uid)
+            name, key, manifest, backend.arena_size(manifest.size, key.device), retention, owner, pid, uid,
+            series, admin)
+        name = entry.name
         self.reclaim(victims, f"least recently used, to make room for {name} ({format_size(entry.nbytes)}, "
                      f"published by uid {uid})")
         entry.life = Life(phase="filling")
@@ -311,14 +315,43 @@ class Residency:
             finally:
                 record.committing = False
         entry, dropped = self.cache.commit(owner, lease_id)
-        if dropped:
+        if self.cache.entries.get(entry.name) is not entry:
             self.reclaim(dropped, "evicted while it was being filled")
             raise NotFound(f"{entry.name} was evicted while it was being filled; nothing was published")
+        self.reclaim(dropped, f"past keep_generations ({self.cache.keep_generations}) once {entry.name} became "
+                     "current")
         self._set_ready(entry)
         self._verifier.keep_digest(entry, "digest at commit")
         return entry
 
+    def rollback(self, series: str, uid: int, admin: bool, to: int | None = None) -> Entry:
+        """Make a kept previous generation of `series` current again. The generations after it leave
+        systemd's fd store: a restart makes the newest generation it finds current."""
+        entry, dropped = self.cache.rollback(series, uid, admin, to)
+        self.reclaim(dropped, f"past keep_generations ({self.cache.keep_generations}) once {series} was rolled "
+                     f"back to {entry.name} (uid {uid})")
+        assert entry.series is not None
+        for newer in [e for g, e in entry.series.generations.items() if g > entry.generation]:
+            adoption.unpark(newer)
+        return entry
+
     # -- verifying --------------------------------------------------------------------------
+
+    async def content_digest(self, entry: Entry) -> str:
+        """The full content digest of what is resident (`loader.content_digest`, as `verify` gives
+        it), hashed once per entry in the digest pool and kept: at commit for published entries,
+        at the first request for the others (the bytes are sealed, so it cannot change)."""
+        record = life(entry)
+        if record.digest is None:
+            self._verifier.keep_digest(entry, "digest at its first request")
+        assert record.digest is not None
+        try:
+            digests = await asyncio.shield(record.digest[0])
+        except Exception:
+            if self.cache.entries.get(entry.name) is not entry:  # evicted while it was hashed
+                raise NotFound(f"entry {entry.name!r} was evicted while its content digest was taken") from None
+            raise
+        return await asyncio.to_thread(content_digest, digests)
 
     async def verify(self, entry: Entry) -> Verification:
         """The content digest of what is resident and the tensors that differ (`wcd.verifying`).
@@ -480,6 +513,15 @@ class Residency:
             await self._drop_loading(entry)
             return
         self.cache.loaded(entry)
+        if "series" in entry.key.extra:
+            layout = await asyncio.to_thread(entry.manifest.layout)
+            try:
+                self.reclaim(self.cache.adopted_generation(entry, layout),
+                             f"past keep_generations ({self.cache.keep_generations}) once {entry.name} was adopted")
+            except BadRequest as e:
+                log.warning("fd store: dropping %s: %s", entry.name, e.message)
+                self.reclaim(self.cache.load_failed(entry), f"re-adopted but {e.message}")
+                return
         if entry.origin == "publish":
             self._verifier.keep_digest(entry, "digest at re-adoption after a restart")
         self._set_ready(entry)

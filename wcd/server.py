@@ -93,7 +93,8 @@ class Server:
         counted = time.monotonic()
         cache = Cache(budgets, config.daemon.lease_ttl_s, max_entries=config.daemon.max_entries,
                       max_entries_per_uid=config.daemon.max_entries_per_uid,
-                      max_leases_per_uid=config.daemon.max_leases_per_uid)
+                      max_leases_per_uid=config.daemon.max_leases_per_uid,
+                      keep_generations=config.daemon.keep_generations)
         self.state = ServerState(config, self.instance, cache, devices, self.started_at)
         self.state.where = self._where
         self.quotas = Quotas(self._limits(config), held_elsewhere=lambda: len(cache.entries))
@@ -204,6 +205,7 @@ class Server:
         self.refusals.forget()
         cache.lease_ttl_s = new.daemon.lease_ttl_s
         cache.max_entries = new.daemon.max_entries
+        cache.keep_generations = new.daemon.keep_generations
         cache.max_entries_per_uid = new.daemon.max_entries_per_uid
         cache.max_leases_per_uid = new.daemon.max_leases_per_uid
         self.quotas.limits = self._limits(new)
@@ -309,6 +311,7 @@ class Server:
 
     def _connection_lost(self, conn: Connection) -> None:
         self.state.connections.discard(conn)
+        self.state.watchers.drop(conn)
         for entry in self.state.cache.drop_owner(conn):
             how = "its publisher's connection closed before the commit" if entry.state == "filling" else \
                 f"the connection holding its last lease closed (pid {conn.pid}, uid {conn.uid})"

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from wcd.cache import Cache
 from wcd.config import Config
+from wcd.watch import Watchers
 
 if TYPE_CHECKING:
     from wcd.connection import Connection
@@ -25,3 +26,4 @@ class ServerState:
     started_at: float  # wall clock, for uptime
     where: str = ""  # the socket we serve, for status: a path or "socket-activated fd N"
     connections: set[Connection] = field(default_factory=set)
+    watchers: Watchers = field(default_factory=Watchers)  # connections told when a series' generation changes

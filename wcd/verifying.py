@@ -45,7 +45,8 @@ class Verifier:
         self._parse_with = parse_with  # Checkpoint.open's `helpers`
 
     def keep_digest(self, entry: Entry, source: str) -> None:
-        """Digest a published entry in the background: what verify compares it against later."""
+        """Digest an entry in the background: what verify compares a published one against later,
+        and what an acquire asking for a content digest is checked against."""
         future = asyncio.ensure_future(self.digest(entry))
         future.add_done_callback(quiet)  # an eviction stops it: nothing to report then
         life(entry).digest = (future, source)

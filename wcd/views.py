@@ -9,9 +9,11 @@ This module imports torch; the daemon never imports it.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import mmap
 import os
+import weakref
 from collections.abc import Sequence
 from itertools import chain
 from typing import Any
@@ -99,7 +101,8 @@ def _torch_dtype(dtype: str) -> torch.dtype:
 class MappedArena:
     """A client's mapping of one arena. Views keep the mapping alive; `close` drops our references."""
 
-    def __init__(self, base: torch.Tensor, manifest: Manifest, keepalive: Any) -> None:
+    def __init__(self, base: torch.Tensor, manifest: Manifest, keepalive: Any, kind: str = "host") -> None:
+        self._kind = kind
         self.base = base
         self.manifest = manifest
         self.tensors = build_views(base, manifest)
@@ -108,6 +111,17 @@ class MappedArena:
     def close(self) -> None:
         """Forget the views. Host memory is unmapped when the last view held elsewhere dies."""
         self._unmap(strict=False)
+
+    def remap(self, arena: dict[str, Any], fd: int) -> None:
+        """Put another arena of this layout (the next generation of a series) behind the same
+        addresses: every view reads its bytes from then on. The caller keeps and closes `fd`.
+        On failure nothing changed."""
+        remap = getattr(self._keepalive, "remap", None)
+        if remap is None:
+            raise BadRequest("this mapping cannot be changed in place (acquired without follow)")
+        if arena.get("kind") != self._kind:
+            raise BadRequest(f"a {arena.get('kind')} arena cannot replace a {self._kind} one in place")
+        remap(fd, int(arena["size"]))
 
     def unmap_writable(self) -> None:
         """Unmap a fill mapping now (needed before commit). Raises if views are still referenced."""
@@ -134,13 +148,86 @@ class MappedArena:
                 ) from None
 
 
-def map_arena(arena: dict[str, Any], fd: int, manifest: Manifest, writable: bool) -> MappedArena:
-    """Map an exported arena fd. Takes ownership of `fd` (closed once mapped)."""
+class HostMapping:
+    """A host arena mapped so that another arena of the same size can replace it in place
+    (`remap`: mmap MAP_FIXED over the same range, one atomic step for the kernel). Mapped
+    MAP_PRIVATE like read leases. The range is unmapped when the last tensor over it is freed."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.size = size
+        _check_size(fd, size)
+        addr = _libc().mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, 0)
+        if addr in (None, _MAP_FAILED):
+            raise BadRequest(f"cannot map a host arena of {size} bytes: {os.strerror(ctypes.get_errno())}")
+        self.addr = int(addr)
+        memory = (ctypes.c_uint8 * size).from_address(self.addr)
+        self._finalizer = weakref.finalize(memory, _munmap, self.addr, size)
+        self._finalizer.atexit = False
+        self._base: torch.Tensor | None = torch.frombuffer(memory, dtype=torch.uint8)
+
+    def take_base(self) -> torch.Tensor:
+        base, self._base = self._base, None
+        assert base is not None
+        return base
+
+    def remap(self, fd: int, size: int) -> None:
+        if size != self.size:
+            raise BadRequest(f"arena of {size} bytes cannot replace one of {self.size} in place")
+        if not self._finalizer.alive:
+            raise BadRequest("this host mapping is already unmapped")
+        _check_size(fd, size)
+        addr = _libc().mmap(ctypes.c_void_p(self.addr), size, mmap.PROT_READ | mmap.PROT_WRITE,
+                            mmap.MAP_PRIVATE | _MAP_FIXED, fd, 0)
+        if addr != self.addr:  # MAP_FIXED either replaces the whole range or leaves it as it was
+            raise BadRequest(f"cannot map the new arena in place: {os.strerror(ctypes.get_errno())}")
+
+    def close(self) -> None:
+        self._base = None
+        if self._finalizer.alive:
+            raise BufferError("tensors over this host arena are still referenced; it unmaps when the last one dies")
+
+
+_MAP_FIXED = 0x10
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_LIBC: ctypes.CDLL | None = None
+
+
+def _libc() -> ctypes.CDLL:
+    global _LIBC
+    if _LIBC is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        _LIBC = libc
+    return _LIBC
+
+
+def _munmap(addr: int, size: int) -> None:
+    _libc().munmap(ctypes.c_void_p(addr), size)
+
+
+def _check_size(fd: int, size: int) -> None:
+    """A read lease's host arena must be a memfd of `size` bytes sealed against any change."""
+    problem = memfd_problem(fd, size, SEALS)
+    if problem:
+        raise BadRequest(f"refusing to map the host arena: {problem} (the daemon or its publisher did not hand "
+                         "out a sealed arena)")
+
+
+def map_arena(arena: dict[str, Any], fd: int, manifest: Manifest, writable: bool,
+              remappable: bool = False) -> MappedArena:
+    """Map an exported arena fd. Takes ownership of `fd` (closed once mapped). `remappable`: map it
+    so that `MappedArena.remap` can later put another arena of the layout in its place."""
     try:
         kind = arena.get("kind")
         size = int(arena["size"])
         if size < manifest.size:
             raise BadRequest(f"arena of {size} bytes is smaller than its manifest ({manifest.size})")
+        if kind == "host" and remappable and not writable:
+            host = HostMapping(fd, size)  # checks the seals as below
+            return MappedArena(host.take_base(), manifest, host)
         if kind == "host":
             # Fill leases may still write; what a reader maps must not change or shrink under it.
             seals = SIZE_SEALS if writable else SEALS
@@ -158,7 +245,7 @@ def map_arena(arena: dict[str, Any], fd: int, manifest: Manifest, writable: bool
             from wcd.arenas.cuda_map import map_cuda_arena
 
             base, mapping = map_cuda_arena(fd, size, str(arena["device"]), writable)
-            return MappedArena(base, manifest, mapping)
+            return MappedArena(base, manifest, mapping, "cuda")
         raise BadRequest(f"unknown arena kind {kind!r}")
     finally:
         os.close(fd)

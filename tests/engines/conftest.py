@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +34,7 @@ START_TIMEOUT_S = 420
 
 # Filled by the tests, printed at the end of the session (start-to-ready per path).
 TIMINGS: list[dict[str, Any]] = []
+NOTES: list[str] = []  # other figures the tests measured, printed at the end
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -230,13 +232,13 @@ class ApiServer:
     # Not needed, but the first start without it compiles the model for minutes on 2 cores.
     FAST_START = ("--enforce-eager",)
 
-    def __init__(self, model: Path, root: Path, args: list[str], log: Path) -> None:
+    def __init__(self, model: Path, root: Path, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
         import socket as socketlib
 
         with socketlib.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        env = engine_env(root, multiprocess=True)
+        env = {**engine_env(root, multiprocess=True), **(env or {})}
         self.log_path = log
         self.started = time.perf_counter()
         with open(log, "wb") as out:
@@ -269,6 +271,16 @@ class ApiServer:
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as r:
             return json.load(r)["choices"][0]["text"]  # type: ignore[no-any-return]
+
+    def post(self, path: str, body: dict[str, Any] | None = None) -> Any:
+        """POST a JSON body to one of the server's endpoints; its JSON answer."""
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=json.dumps(body or {}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=300) as r:
+                return json.load(r)
+        except urllib.error.HTTPError as e:
+            raise AssertionError(f"POST {path}: {e.code} {e.read()[:2000]!r}\n{self.log()[-3000:]}") from None
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -326,6 +338,8 @@ def _record(result: dict[str, Any], spec: dict[str, Any], label: str | None) -> 
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
+    for note in NOTES:
+        terminalreporter.write_line(note)
     if not TIMINGS:
         return
     tr = terminalreporter

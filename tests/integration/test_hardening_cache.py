@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import textwrap
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ import torch
 from tests.integration.peers import Raw
 from tests.integration.pings import assert_fast, pinging
 from tests.integration.test_hardening_trust import as_user, needs_root, results
+from wcd.errors import BadRequest, KeyMismatch
 from wcd.integrations import trust
 from wcd.integrations.transformers import _find_entry
 from wcd.key import WeightCacheKey, fingerprint_checkpoint
@@ -203,3 +205,44 @@ def test_an_admins_load_is_judged_by_the_uid_that_asked(make_daemon, checkpoint,
             assert lease.asked_by == admin and trust.accepted_publisher(c, lease) is None
             assert trust.accepted_publisher(c, lease, trusted=[admin]) == f"trusted uid {admin} (its load)"
             assert trust.whose(lease) == f"loaded from a path uid {admin} gave"
+
+
+def unsampled_byte(shard: Path) -> int:
+    """A byte of `shard`'s tensor data that no fingerprint sample reads."""
+    from wcd.headers import read_header
+    from wcd.key import SAMPLE_BYTES, _sample_positions
+
+    header = read_header(shard)
+    sampled = {p + i for p in _sample_positions(header.data_start, header.file_size) for i in range(SAMPLE_BYTES)}
+    return next(p for p in range(header.data_start, header.file_size) if p not in sampled)
+
+
+def test_a_copy_modified_between_the_samples_keeps_its_fingerprint_but_not_its_digest(make_daemon, tmp_path):
+    """What the README says the fingerprint does not prove: a copy with one byte changed where no
+    sample reads keeps the fingerprint. A reader that asks for the content digest is not given it."""
+    from safetensors.torch import save_file
+
+    original, copy = tmp_path / "orig", tmp_path / "copy"
+    for d in (original, copy):
+        d.mkdir()
+        save_file({"w": torch.arange(1 << 20, dtype=torch.float32)}, str(d / "model.safetensors"))
+    shard = copy / "model.safetensors"
+    at = unsampled_byte(shard)
+    data = bytearray(shard.read_bytes())
+    data[at] ^= 0x40
+    shard.write_bytes(bytes(data))
+    assert fingerprint_checkpoint(original) == fingerprint_checkpoint(copy)
+    d = make_daemon(f'[[models]]\nname = "orig"\npath = "{original}"\n\n[[models]]\nname = "copy"\npath = "{copy}"\n')
+    with d.client() as c:
+        digest = c.verify("orig")["digest"]
+        with c.acquire("orig", digest=digest) as lease:
+            assert lease.tensors["w"][-1].item() == (1 << 20) - 1
+        with pytest.raises(KeyMismatch, match="holds other bytes than the content digest asked for") as refused:
+            c.acquire("copy", digest=digest)
+        assert refused.value.details["fields"] == ["digest"]
+        assert refused.value.details["resident"] == c.verify("copy")["digest"] != digest
+        published = c.publish(WeightCacheKey(model="p", transform="t"), {"w": torch.ones(4)})
+        mine = c.verify(published)["digest"]
+        c.acquire(published, digest=mine).release()
+        with pytest.raises(BadRequest, match="digest"):
+            c.acquire(published, digest="not hex")

@@ -212,7 +212,7 @@ def test_a_frame_left_unfinished_after_a_full_batch_does_not_spin_the_loop(make_
 
 @pytest.mark.slow
 def test_disconnects_do_not_scan_every_lease(make_daemon, checkpoint):
-    d = make_daemon(model_config(checkpoint[0]))
+    d = make_daemon("max_leases_per_uid = 20300\n" + model_config(checkpoint[0]))  # all of them one uid's
     holder = Raw(d.socket)
     acquire = holder.frame({"op": "acquire", "name": "m"})
     for _ in range(20_000 // 50):  # 20,000 leases on one connection, 50 requests in flight

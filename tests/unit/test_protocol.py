@@ -320,6 +320,8 @@ MINIMAL: dict[str, dict[str, Any]] = {
     "evict": {"name": "m"},
     "verify": {"key": {"model": "m"}},
     "metrics": {},
+    "watch": {"series": "s"},
+    "rollback": {"series": "s"},
 }
 
 
@@ -535,3 +537,8 @@ def test_the_daemons_warm_up_builds_every_schema_one_per_loop_turn() -> None:
     total, left, most_per_turn = map(int, out.stdout.split()[:3])
     assert total == len(protocol.OPS) and left == 0 and most_per_turn == 1
     assert out.stdout.split()[3] == "1"
+
+
+@pytest.mark.parametrize("series", ["a@1", "", "x\ny", "\x7f"])
+def test_a_series_name_has_no_at_sign_nor_control_characters(series: str) -> None:
+    assert "series" in bad_request(req("watch", series=series))

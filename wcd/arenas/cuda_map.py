@@ -47,7 +47,9 @@ class CudaMapping:
             drv.release_primary_context(gpu)
             raise
         memory = _Memory(ptr, size)
-        self._finalizer = weakref.finalize(memory, _unmap, drv, gpu, ctx, handle, ptr, size)
+        self._drv, self._ctx, self.ptr = drv, ctx, ptr
+        self._handle = [handle]  # the allocation mapped now: `remap` changes it, the finalizer reads it
+        self._finalizer = weakref.finalize(memory, _unmap, drv, gpu, ctx, self._handle, ptr, size)
         self._finalizer.atexit = False  # at exit the driver reclaims everything; don't call into it
         try:
             with torch.cuda.device(gpu.ordinal):
@@ -64,6 +66,26 @@ class CudaMapping:
             raise Internal("the base tensor of a CUDA mapping was already taken")
         return base
 
+    def remap(self, fd: int, size: int) -> None:
+        """Map another arena of the same size (the next generation of a series; the caller keeps
+        and closes `fd`) behind the same addresses, waiting first for work that reads the old one.
+        On failure the old arena stays mapped."""
+        if size != self.size:
+            raise Internal(f"arena of {size} bytes cannot replace one of {self.size} in place")
+        if not self._finalizer.alive:
+            raise Internal("this CUDA mapping is already unmapped")
+        drv = self._drv
+        with drv.current(self._ctx):
+            new = drv.import_fd(fd)
+            try:
+                drv.synchronize()
+                drv.remap(self.ptr, size, self._handle[0], new, self.gpu, self.writable)
+            except BaseException:
+                drv.release(new)
+                raise
+            old, self._handle[0] = self._handle[0], new
+            drv.release(old)
+
     def close(self) -> None:
         """Unmap now if no tensor refers to the arena any more; else raise BufferError (as `mmap.close`
         does), and the memory is unmapped when the last tensor over it is freed."""
@@ -72,7 +94,7 @@ class CudaMapping:
             raise BufferError("tensors over this CUDA arena are still referenced; it unmaps when the last one dies")
 
 
-def _unmap(drv: Driver, gpu: Gpu, ctx: int, handle: int, ptr: int, size: int) -> None:
+def _unmap(drv: Driver, gpu: Gpu, ctx: int, handle: list[int], ptr: int, size: int) -> None:
     # Synchronize first: a kernel still reading the arena must finish before its pages go away.
     try:
         with drv.current(ctx):
@@ -82,7 +104,7 @@ def _unmap(drv: Driver, gpu: Gpu, ctx: int, handle: int, ptr: int, size: int) ->
                 try:
                     drv.unmap(ptr, size)
                 finally:
-                    drv.release(handle)
+                    drv.release(handle[0])
     finally:
         drv.release_primary_context(gpu)
 

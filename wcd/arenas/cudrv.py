@@ -253,6 +253,24 @@ class Driver:
             raise
         return ptr.value
 
+    def remap(self, ptr: int, size: int, old: int, new: int, gpu: Gpu, writable: bool) -> None:
+        """Put allocation `new` behind the range at `ptr` in place of `old` (same addresses: kernels
+        and captured graphs read the new bytes). The caller has synchronized. If `new` cannot be
+        mapped, `old` is mapped back and the error raised: the range never stays half-changed."""
+        access = _AccessDesc(_Location(LOCATION_TYPE_DEVICE, gpu.ordinal), PROT_READWRITE if writable else PROT_READ)
+        self._call("cuMemUnmap", "cuMemUnmap", ptr, size)
+        try:
+            self._call("cuMemMap", "cuMemMap", ptr, size, 0, new, 0)
+            try:
+                self._call("cuMemSetAccess", "cuMemSetAccess", ptr, size, ctypes.byref(access), 1)
+            except BaseException:
+                self._fn["cuMemUnmap"](ptr, size)
+                raise
+        except BaseException:
+            self._call("cuMemMap", "cuMemMap", ptr, size, 0, old, 0)
+            self._call("cuMemSetAccess", "cuMemSetAccess", ptr, size, ctypes.byref(access), 1)
+            raise
+
     def unmap(self, ptr: int, size: int) -> None:
         """Unmap and free the address range; both steps run even if the first fails."""
         try:

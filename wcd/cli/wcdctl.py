@@ -57,6 +57,10 @@ def _parser() -> argparse.ArgumentParser:
     for cmd, text in (("evict", "drop an entry (after its leases end)"),
                       ("verify", "recompute an entry's content digest and compare")):
         sub.add_parser(cmd, help=text, parents=[common]).add_argument("name")
+    rollback = sub.add_parser("rollback", help="make the previous generation of a series current again "
+                              "(its publisher or an admin)", parents=[common])
+    rollback.add_argument("series")
+    rollback.add_argument("--to", type=int, metavar="N", help="that kept generation rather than the newest")
     return parser
 
 
@@ -135,6 +139,8 @@ def _run(client: Client, args: argparse.Namespace) -> dict[str, Any]:
         return {"entry": _watch(client, entry) if shown and entry["state"] == "loading" else entry}
     if cmd == "evict":
         return _strip(client.evict(args.name))
+    if cmd == "rollback":
+        return _strip(client.rollback(args.series, args.to))
     return _strip(client.verify(args.name))
 
 
@@ -200,6 +206,9 @@ def _render(cmd: str, r: dict[str, Any]) -> str:
     if cmd == "load":
         e = r["entry"]
         return f"{e['name']}: {e['state']} ({format_size(e['bytes'])}, {e['tensors']} tensors on {e['device']})"
+    if cmd == "rollback":
+        return (f"{r['series']}: generation {r['generation']} is current again ({r['entry']}; "
+                f"{counted(r['told'], 'follower')} told)")
     if cmd == "evict":
         if r["state"] == "evicted":
             return f"{r['entry']}: evicted"

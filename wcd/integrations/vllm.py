@@ -77,6 +77,12 @@ def register() -> None:
     except Exception as e:  # noqa: BLE001 - never break an engine that does not use wcd
         log.warning("wcd: load_format=%r is unavailable in vLLM %s: %s: %s", LOAD_FORMAT, vllm_version(),
                     type(e).__name__, e)
+    try:
+        from wcd.integrations import vllm_transfer
+
+        vllm_transfer.register()
+    except Exception as e:  # noqa: BLE001 - a vLLM without weight transfer still loads through wcd
+        log.debug("wcd: no weight-transfer backend in vLLM %s: %s: %s", vllm_version(), type(e).__name__, e)
 
 
 

@@ -1,0 +1,265 @@
+"""Generations of a series against a real daemon: publish, follow in place and by copy, rollback,
+the layout and publisher rules, the budget, and what a dead trainer or engine leaves behind."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from wcd.errors import BadRequest, NotFound, OutOfMemory, PermissionDenied, WcdError
+
+
+def weights(seed: int, n: int = 8, numel: int = 4096) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {f"layers.{i}.w": torch.randn(numel, generator=g) for i in range(n)}
+    out["embed"] = torch.randint(0, 1 << 30, (numel // 2,), generator=g, dtype=torch.int64)
+    return out
+
+
+def digest(tensors: dict[str, torch.Tensor]) -> str:
+    """A hash of every tensor's bytes, in name order: equal exactly when the bytes are."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+@pytest.fixture
+def make_daemon(make_daemon: Any) -> Iterator[Any]:
+    """The integration daemon, whose `client()`s are closed when the test ends."""
+    opened: list[Any] = []
+
+    def make(*args: Any, **kwargs: Any) -> Any:
+        daemon = make_daemon(*args, **kwargs)
+        plain = daemon.client
+
+        def client(**kw: Any) -> Any:
+            opened.append(plain(**kw))
+            return opened[-1]
+
+        daemon.client = client
+        return daemon
+
+    yield make
+    for c in opened:
+        c.close()
+
+
+def entries(client: Any) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in client.list()}
+
+
+def test_a_follower_moves_to_each_generation_in_place_and_back_on_rollback(make_daemon: Any) -> None:
+    daemon = make_daemon()
+    trainer, engine = daemon.client(), daemon.client()
+    assert trainer.publish_generation("policy", weights(1)) == 1
+    follower = engine.follow("policy")
+    views = follower.tensors
+    addresses = {n: t.data_ptr() for n, t in views.items()}
+    assert digest(views) == digest(weights(1)) and follower.generation == 1
+
+    assert trainer.publish_generation("policy", weights(2)) == 2
+    assert follower.poll(timeout=10) == 2  # told over its own connection
+    assert follower.update() is True and follower.generation == 2
+    assert digest(views) == digest(weights(2)), "the same tensor objects read generation 2"
+    assert {n: t.data_ptr() for n, t in follower.tensors.items()} == addresses
+
+    listed = entries(trainer)
+    assert listed["policy@2"]["current"] and listed["policy@1"]["state"] == "previous"
+    assert listed["policy@1"]["leases"] == 0 and listed["policy@2"]["leases"] == 1
+
+    reply = trainer.rollback("policy")
+    assert reply["generation"] == 1 and reply["told"] == 1
+    assert follower.poll(timeout=10) == 1 and follower.update() is True
+    assert digest(views) == digest(weights(1)) and follower.generation == 1
+    assert follower.update() is False  # already current
+    follower.close()
+
+
+def test_a_copy_in_follower_copies_each_generation_into_its_own_tensors(make_daemon: Any) -> None:
+    daemon = make_daemon()
+    trainer, engine = daemon.client(), daemon.client()
+    trainer.publish_generation("policy", weights(1))
+    owned = {n: torch.zeros_like(t) for n, t in weights(0).items()}
+    follower = engine.follow("policy", copy_into=owned)
+    assert follower.tensors is not None and digest(owned) == digest(weights(1))
+    assert follower.lease is None and entries(trainer)["policy@1"]["leases"] == 0  # holds nothing between updates
+    trainer.publish_generation("policy", weights(2))
+    assert follower.update() and digest(owned) == digest(weights(2))
+    follower.close()
+
+
+def test_old_generations_go_when_no_longer_kept_nor_leased(make_daemon: Any) -> None:
+    daemon = make_daemon("keep_generations = 1\n")
+    trainer, engine = daemon.client(), daemon.client()
+    trainer.publish_generation("p", weights(1))
+    pinned_on_1 = engine.follow("p")  # stays on generation 1
+    trainer.publish_generation("p", weights(2))
+    trainer.publish_generation("p", weights(3))
+    listed = entries(trainer)
+    assert listed["p@1"]["state"] == "evicting", "past keep_generations, it waits for its reader"
+    assert listed["p@2"]["state"] == "previous" and listed["p@3"]["current"]
+    assert digest(pinned_on_1.tensors) == digest(weights(1)), "a reader keeps its generation"
+    pinned_on_1.close()
+    deadline = time.monotonic() + 5
+    while "p@1" in entries(trainer) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert "p@1" not in entries(trainer), "reclaimed when its last lease ended"
+    with pytest.raises(NotFound, match="kept"):
+        trainer.rollback("p", 1)
+
+
+def test_a_generation_must_keep_the_layout_of_its_series(make_daemon: Any) -> None:
+    daemon = make_daemon()
+    trainer = daemon.client()
+    trainer.publish_generation("p", weights(1))
+    with pytest.raises(BadRequest, match="another layout"):
+        trainer.publish_generation("p", weights(2, n=9))
+    other = dict(weights(2))
+    other["embed"] = other["embed"].to(torch.int32)
+    with pytest.raises(BadRequest, match="another layout"):
+        trainer.publish_generation("p", other)
+    assert entries(trainer)["p@1"]["current"] and len(entries(trainer)) == 1, "a refused generation changes nothing"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a peer of another uid needs root")
+def test_only_the_series_publisher_publishes_or_rolls_back_its_generations(make_daemon: Any) -> None:
+    shared = Path(tempfile.mkdtemp(prefix="wcd-gen-", dir="/tmp"))
+    shared.chmod(0o1777)
+    try:
+        daemon = make_daemon("allowed_uids = [1001]\n", socket=shared / "wcd.sock")
+        trainer = daemon.client()
+        trainer.publish_generation("p", weights(1))
+        trainer.publish_generation("p", weights(2))
+        code = textwrap.dedent(f"""
+            import os, torch
+            import wcd.client, wcd.views, wcd.key
+            from wcd.client import Client
+            from wcd.errors import WcdError
+            os.setgroups([])
+            os.setuid(1001)
+            c = Client({str(daemon.socket)!r})
+            for what, call in (("publish", lambda: c.publish_generation("p", {{"x": torch.zeros(4)}})),
+                               ("rollback", lambda: c.rollback("p"))):
+                try:
+                    call()
+                    print(what, "ok")
+                except WcdError as e:
+                    print(what, e.code, e.message)
+        """)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert "publish permission_denied series 'p' is published by uid 0" in out.stdout, out.stdout + out.stderr
+        assert "rollback permission_denied" in out.stdout
+        assert entries(trainer)["p@2"]["current"]
+    finally:
+        shutil.rmtree(shared)
+
+
+def test_a_generation_that_cannot_fit_beside_the_current_one_is_refused_in_one_line(make_daemon: Any) -> None:
+    daemon = make_daemon('budget = { cpu = "1MiB" }\n')
+    trainer, engine = daemon.client(), daemon.client()
+    big = {"w": torch.zeros(160_000)}  # 640 kB: one fits, two do not
+    trainer.publish_generation("p", big)
+    follower = engine.follow("p")
+    with pytest.raises(OutOfMemory, match="does not fit"):
+        trainer.publish_generation("p", {"w": torch.ones(160_000)})
+    assert follower.update() is False and entries(trainer)["p@1"]["current"]
+
+
+def test_a_trainer_killed_mid_reserve_leaves_the_series_on_its_generation(make_daemon: Any) -> None:
+    daemon = make_daemon()
+    trainer, engine = daemon.client(), daemon.client()
+    trainer.publish_generation("p", weights(1))
+    follower = engine.follow("p")
+    code = textwrap.dedent(f"""
+        import os, torch
+        from wcd.client import Client
+        from wcd.key import WeightCacheKey
+        c = Client({str(daemon.socket)!r})
+        shapes = dict(("layers.%d.w" % i, (torch.float32, (4096,))) for i in range(8))
+        shapes["embed"] = (torch.int64, (2048,))
+        fill = c.reserve(WeightCacheKey(model="p", transform="generations"), shapes, series="p")
+        fill.tensors["embed"].fill_(7)
+        print("reserved", flush=True)
+        os.kill(os.getpid(), 9)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "reserved" in out.stdout, out.stderr
+    deadline = time.monotonic() + 10
+    while "p@2" in entries(trainer) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert set(entries(trainer)) == {"p@1"}, "the half-filled generation went with its trainer"
+    assert follower.update() is False and digest(follower.tensors) == digest(weights(1))
+    assert trainer.publish_generation("p", weights(3)) == 2, "the next generation takes the number"
+    assert follower.update() and digest(follower.tensors) == digest(weights(3))
+
+
+def test_an_engine_killed_mid_follow_returns_its_generation(make_daemon: Any) -> None:
+    daemon = make_daemon("keep_generations = 0\n")
+    trainer = daemon.client()
+    trainer.publish_generation("p", weights(1))
+    code = textwrap.dedent(f"""
+        import os
+        from wcd.client import Client
+        f = Client({str(daemon.socket)!r}).follow("p")
+        print("following", f.generation, flush=True)
+        f.poll(timeout=30)
+        os.kill(os.getpid(), 9)  # told of generation 2, killed before (or while) moving to it
+    """)
+    with subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) as engine:
+        assert engine.stdout is not None and engine.stdout.readline().startswith("following 1")
+        assert entries(trainer)["p@1"]["leases"] == 1
+        trainer.publish_generation("p", weights(2))
+        engine.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while "p@1" in entries(trainer) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert set(entries(trainer)) == {"p@2"}, "keep_generations = 0: generation 1 went with its last reader"
+
+
+def test_watch_and_series_errors_are_one_line(make_daemon: Any) -> None:
+    daemon = make_daemon("max_watches_per_connection = 2\n")
+    c = daemon.client()
+    with pytest.raises(NotFound, match="no series named 'nope'"):
+        c.follow("nope")
+    c.watch("a")
+    c.watch("b")
+    with pytest.raises(WcdError, match="max_watches_per_connection"):
+        c.watch("c")
+    with pytest.raises(BadRequest, match="series"):
+        c.request("acquire", series="a@1")
+    from wcd.key import WeightCacheKey
+
+    with pytest.raises(PermissionDenied, match="reserved"):  # a raw checkpoint's transform, as any publish
+        c.reserve(WeightCacheKey(model="x"), {"x": (torch.float32, (4,))}, series="p")
+
+
+def test_wcdctl_lists_generations_and_rolls_a_series_back(make_daemon: Any) -> None:
+    daemon = make_daemon()
+    trainer = daemon.client()
+    trainer.publish_generation("policy", weights(1))
+    trainer.publish_generation("policy", weights(2))
+    wcdctl = [str(Path(sys.executable).parent / "wcdctl"), "--socket", str(daemon.socket)]
+    if not Path(wcdctl[0]).exists():
+        wcdctl = [sys.executable, "-m", "wcd.cli.wcdctl", "--socket", str(daemon.socket)]
+    listed = subprocess.run([*wcdctl, "list"], capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0 and "policy@1" in listed.stdout and "previous" in listed.stdout, listed
+    out = subprocess.run([*wcdctl, "rollback", "policy"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "policy: generation 1 is current again (policy@1; 0 followers told)"
+    again = subprocess.run([*wcdctl, "rollback", "policy", "--to", "7"], capture_output=True, text=True, timeout=60)
+    assert again.returncode != 0 and len(again.stderr.strip().splitlines()) == 1, again.stderr
+    assert "generation 7 is not kept" in again.stderr
