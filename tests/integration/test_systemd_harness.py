@@ -688,3 +688,52 @@ def test_a_load_stuck_in_the_driver_at_shutdown_holds_the_exit_for_the_bounded_w
         assert time.monotonic() < deadline, "the fill never reached the loader"
         time.sleep(0.01)
     stops_after_the_bounded_wait(fake_systemd, "worker threads still busy after")
+
+
+def _parked_arenas(harness: FakeSystemd) -> int:
+    harness.pump()
+    return sum(name.endswith(".arena") for name in harness.store)
+
+
+def _wait_parked(harness: FakeSystemd, count: int) -> None:
+    deadline = time.monotonic() + 30
+    while _parked_arenas(harness) != count and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _parked_arenas(harness) == count, sorted(harness.store)
+
+
+def test_every_live_generation_survives_a_restart_and_a_rollback_stays_rolled_back(fake_systemd, tmp_path):
+    """Issue 31: the fd store keeps every live generation; after a restart the newest is current
+    and followers get its bytes, with no publish; a rollback before a restart is still in force
+    after it (the generations after the rolled-back-to one left the fd store)."""
+    cfg = config(tmp_path, {}, "keep_generations = 2\n")
+    gen = {g: {"w": torch.full((1024,), float(g))} for g in (1, 2, 3)}
+    fake_systemd.start(cfg)
+    with Client(fake_systemd.sock_path) as c:
+        for g in (1, 2, 3):
+            assert c.publish_generation("s", gen[g]) == g
+        _wait_parked(fake_systemd, 3)
+    assert fake_systemd.stop() == 0
+
+    fake_systemd.start(cfg)
+    with Client(fake_systemd.sock_path) as c:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and [e["state"] for e in c.list()].count("loading"):
+            time.sleep(0.05)
+        states = {e["name"]: (e["state"], e.get("current")) for e in c.list()}
+        assert states == {"s@1": ("previous", False), "s@2": ("previous", False), "s@3": ("ready", True)}, states
+        with c.follow("s") as f:
+            assert f.generation == 3 and same(f.tensors["w"], gen[3]["w"])
+        assert c.rollback("s")["generation"] == 2
+        _wait_parked(fake_systemd, 2)  # generation 3 left the fd store
+    assert fake_systemd.stop() == 0
+
+    fake_systemd.start(cfg)
+    with Client(fake_systemd.sock_path) as c:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and [e["state"] for e in c.list()].count("loading"):
+            time.sleep(0.05)
+        with c.follow("s") as f:
+            assert f.generation == 2 and same(f.tensors["w"], gen[2]["w"]), "still rolled back"
+        assert c.publish_generation("s", gen[1]) == 3, "numbering goes on from the newest kept generation"
+    assert fake_systemd.stop() == 0
