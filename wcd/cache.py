@@ -55,6 +55,7 @@ from typing import Any, Literal
 from wcd.errors import BadRequest, Busy, KeyMismatch, LeaseExpired, NotFound, OutOfMemory, PermissionDenied
 from wcd.key import WeightCacheKey
 from wcd.manifest import Manifest
+from wcd.series import SERVED, Generations, Series
 from wcd.units import format_size
 from wcd.wire import Retention
 
@@ -64,7 +65,6 @@ Origin = Literal["config", "load", "publish"]
 
 DEFAULT_MAX_ENTRIES = 4096
 DEFAULT_KEEP_GENERATIONS = 1
-SERVED = ("ready", "previous")  # states whose bytes are complete and may be read
 DEFAULT_MAX_ENTRIES_PER_UID = 256
 DEFAULT_MAX_LEASES_PER_UID = 4096
 NEAR_MISS_CANDIDATES = 16  # entries of the same model a key_mismatch compares the key with
@@ -187,24 +187,6 @@ class Failure:
         }
 
 
-@dataclass(eq=False)
-class Series:
-    """Generations of one published model under one name: the publisher's uid, the layout every
-    generation must have, the live generations (oldest first) and which is current (0: none)."""
-
-    name: str
-    publisher: int
-    layout: str
-    generations: dict[int, Entry] = field(default_factory=dict)
-    current: int = 0
-    last: int = 0  # the highest generation ever committed: the next reserve is last + 1
-
-    def describe(self) -> dict[str, Any]:
-        return {"series": self.name, "publisher_uid": self.publisher, "current": self.current,
-                "generations": [{"generation": g, "entry": e.name, "state": e.state, "leases": len(e.leases)}
-                                for g, e in self.generations.items()]}
-
-
 class Cache:
     def __init__(self, budgets: dict[str, int], lease_ttl_s: float,
                  clock: Callable[[], float] = time.monotonic, max_entries: int = DEFAULT_MAX_ENTRIES,
@@ -212,8 +194,9 @@ class Cache:
                  max_leases_per_uid: int = DEFAULT_MAX_LEASES_PER_UID,
                  keep_generations: int = DEFAULT_KEEP_GENERATIONS) -> None:
         self.budgets = dict(budgets)
-        self.keep_generations = keep_generations
-        self.series: dict[str, Series] = {}
+        self.generations = Generations(keep_generations)
+        self.series = self.generations.series  # name -> Series (the same dict)
+
         self.lease_ttl_s = lease_ttl_s
         self.clock = clock
         self.max_entries = max_entries
@@ -238,6 +221,15 @@ class Cache:
         # (deadline, lease id), one per finite lease; a heartbeat moves the deadline later without
         # touching the heap, and expire() re-queues such leases when their old deadline comes up.
         self._deadlines: list[tuple[float, int]] = []
+
+
+    @property
+    def keep_generations(self) -> int:
+        return self.generations.keep
+
+    @keep_generations.setter
+    def keep_generations(self, keep: int) -> None:
+        self.generations.keep = keep
 
     # -- lookup -----------------------------------------------------------------------------
 
@@ -425,13 +417,8 @@ class Cache:
         if not same_model:
             del self._by_model[entry.key.model]
         self._used[entry.device] -= entry.nbytes
-        series = entry.series
-        if series is not None:
-            del series.generations[entry.generation]
-            if series.current == entry.generation:
-                series.current = 0
-            if not series.generations:
-                del self.series[series.name]
+        if entry.series is not None:
+            self.generations.forget(entry)
         return entry
 
     # -- loading ----------------------------------------------------------------------------
@@ -499,112 +486,28 @@ class Cache:
         if series is None:
             entry, victims = self.admit(name, key, manifest, nbytes, retention, "publish", publisher=uid)
             return entry, self._new_lease(entry, "fill", owner, pid, uid, held_until=math.inf), victims
-        known = self.series.get(series)
-        layout = manifest.layout()
-        if known is not None:
-            self._check_series(known, uid, admin, "publish its next generation")
-            filling = [g for g, e in known.generations.items() if e.state == "filling"]
-            if filling:
-                raise Busy(f"generation {filling[0]} of series {series!r} is being filled: commit or abort it first",
-                           {"series": series, "generation": filling[0]})
-            if layout != known.layout:
-                raise BadRequest(
-                    f"generation {known.last + 1} of series {series!r} has another layout (tensor names, dtypes, "
-                    "shapes or offsets) than the series: readers could not move to it in place; publish it as a "
-                    "new series", {"series": series})
-        generation = (known.last if known is not None else 0) + 1
+        into, generation = self.generations.next(series, uid, admin, manifest.layout())
         key = key.model_copy(update={"extra": {**key.extra, "series": series, "generation": str(generation)}})
         entry, victims = self.admit(f"{series}@{generation}", key, manifest, nbytes, retention, "publish",
                                     publisher=uid)
-        self._join(entry, known or Series(series, uid, layout), generation)
+        self.generations.join(entry, into, generation)
         return entry, self._new_lease(entry, "fill", owner, pid, uid, held_until=math.inf), victims
 
-    def _join(self, entry: Entry, series: Series, generation: int) -> None:
-        self.series.setdefault(series.name, series)
-        entry.series, entry.generation = series, generation
-        series.generations[generation] = entry
-
     def adopted_generation(self, entry: Entry, layout: str) -> list[Entry]:
-        """A generation re-adopted after a restart (its key names series and generation): rejoin its
-        series; the newest generation adopted is current."""
-        name, generation = entry.key.extra.get("series"), entry.key.extra.get("generation", "")
-        if name is None or not generation.isdigit() or entry.origin != "publish" or entry.publisher is None:
-            return []
-        series = self.series.get(name)
-        if series is None:
-            series = Series(name, entry.publisher, layout)
-        elif series.publisher != entry.publisher or series.layout != layout:
-            raise BadRequest(f"generation {generation} of series {name!r} does not match its series' publisher "
-                             "or layout")
-        self._join(entry, series, int(generation))
-        series.generations = dict(sorted(series.generations.items()))
-        series.last = max(series.last, int(generation))
-        if int(generation) >= series.current:
-            series.current = int(generation)
-        return self._retire(series)
-
-    def _check_series(self, series: Series, uid: int, admin: bool, what: str) -> None:
-        if series.publisher != uid and not admin:
-            raise PermissionDenied(
-                f"series {series.name!r} is published by uid {series.publisher}: only it or an admin may {what}",
-                {"series": series.name, "uid": uid})
+        """A generation re-adopted after a restart rejoins its series (`Generations.adopted`);
+        returns the entries dropped."""
+        return [self._drop(e) for e in self.generations.adopted(entry, layout)]
 
     def current(self, name: str) -> Entry:
         """The current generation of series `name`."""
-        series = self.series.get(name)
-        if series is None:
-            raise NotFound(f"no series named {name!r} (wcdctl list shows what is resident)", {"series": name})
-        entry = series.generations.get(series.current)
-        if entry is None:
-            raise NotFound(f"series {name!r} has no current generation (it was evicted); publish one",
-                           {"series": name})
-        return entry
+        return self.generations.current(name)
 
     def rollback(self, name: str, uid: int, admin: bool, to: int | None = None) -> tuple[Entry, list[Entry]]:
-        """Make a kept previous generation current again (`to`, or the newest one); the generation
-        that was current becomes previous. Returns (the new current, the entries dropped)."""
-        self.current(name)  # NotFound as for an acquire
-        series = self.series[name]
-        self._check_series(series, uid, admin, "roll it back")
-        kept = [g for g, e in series.generations.items() if e.state == "previous" and (to is None or g == to)]
-        if not kept:
-            which = f"generation {to}" if to is not None else "no previous generation"
-            raise NotFound(f"series {name!r}: {which} is not kept to roll back to (keep_generations "
-                           f"= {self.keep_generations}; kept: {self._kept(series) or 'none'})", {"series": name})
-        target = series.generations[max(kept)]
-        series.generations[series.current].state = "previous"
-        target.state = "ready"
-        series.current = target.generation
+        """Make a kept previous generation current again (`Generations.rollback`); returns (the new
+        current, the entries dropped)."""
+        target, drop = self.generations.rollback(name, uid, admin, to)
         target.last_used = self.clock()
-        return target, self._retire(series)
-
-    def _kept(self, series: Series) -> str:
-        return ", ".join(str(g) for g, e in series.generations.items() if e.state == "previous")
-
-    def _make_current(self, entry: Entry) -> list[Entry]:
-        series = entry.series
-        assert series is not None
-        old = series.generations.get(series.current)
-        if old is not None and old is not entry and old.state == "ready":
-            old.state = "previous"
-        series.current = series.last = entry.generation
-        return self._retire(series)
-
-    def _retire(self, series: Series) -> list[Entry]:
-        """Keep the newest `keep_generations` previous generations; drop the others now or, while
-        leased, when their last lease ends."""
-        previous = sorted((g for g, e in series.generations.items()
-                           if g != series.current and e.state in SERVED), reverse=True)
-        dropped = []
-        for g in previous[self.keep_generations:]:
-            entry = series.generations[g]
-            if entry.leases:
-                entry.state = "evicting"
-            else:
-                dropped.append(self._drop(entry))
-        for g in previous[:self.keep_generations]:
-            series.generations[g].state = "previous"
-        return dropped
+        return target, [self._drop(e) for e in drop]
 
     def handed_out(self, lease: LeaseRecord) -> None:
         """Its holder is being told the lease's id: the heartbeat TTL runs from now."""
@@ -694,7 +597,9 @@ class Cache:
         entry.state = "ready"
         entry.done_bytes = entry.manifest.nbytes
         entry.last_used = self.clock()
-        return entry, self._make_current(entry) if entry.series is not None else []
+        if entry.series is None:
+            return entry, []
+        return entry, [self._drop(e) for e in self.generations.make_current(entry)]
 
     def abort(self, owner: Hashable, lease_id: int) -> list[Entry]:
         lease = self._owned(owner, lease_id)

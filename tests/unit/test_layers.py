@@ -19,7 +19,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("formats", ("wcd.manifest", "wcd.wire", "wcd.headers", "wcd.header_helpers", "wcd.checkpoint", "wcd.key")),
     ("arenas", ("wcd.arenas", "wcd.arenas.*")),
     ("loader", ("wcd.loader",)),
-    ("daemon", ("wcd.config", "wcd.cache", "wcd.protocol", "wcd.connection", "wcd.state", "wcd.metrics",
+    ("daemon", ("wcd.config", "wcd.series", "wcd.cache", "wcd.protocol", "wcd.connection", "wcd.state", "wcd.metrics",
                 "wcd.metrics_http", "wcd.parking", "wcd.residency", "wcd.life", "wcd.adoption", "wcd.verifying",
                 "wcd.watch", "wcd.devices", "wcd.refusals", "wcd.socketpath", "wcd.ops", "wcd.server")),
     ("clients", ("wcd.views", "wcd.replies", "wcd.client", "wcd.follower", "wcd.demo", "wcd.integrations",
