@@ -108,11 +108,11 @@ def publish(client: Any, layout: list[tuple[str, tuple[int, ...]]], tensors: dic
     """(reserve + copy + commit seconds, the time the commit was sent)."""
     import torch
 
-    from wcd.client import _device_of
+    from wcd.follower import device_of
     from wcd.key import WeightCacheKey
 
     started = time.monotonic()
-    fill = client.reserve(WeightCacheKey(model=SERIES, transform="generations", device=_device_of(tensors)),
+    fill = client.reserve(WeightCacheKey(model=SERIES, transform="generations", device=device_of(tensors)),
                           {n: (torch.bfloat16, s) for n, s in layout}, series=SERIES)
     views = fill.tensors
     for n, t in tensors.items():

@@ -23,18 +23,19 @@ import struct
 import sys
 import threading
 import time
-from collections import OrderedDict, deque
-from collections.abc import Callable, Collection, Iterator, Mapping
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections import deque
+from collections.abc import Callable, Collection, Mapping
+from typing import TYPE_CHECKING, Any
 
 from wcd import __version__, wire
-from wcd.errors import BadReply, BadRequest, DaemonUnavailable, PermissionDenied, ProtocolError, WcdError, from_wire
-from wcd.manifest import TENSOR_COLUMNS, Manifest, has_control
+from wcd.errors import BadReply, DaemonUnavailable, PermissionDenied, ProtocolError, WcdError, from_wire
+from wcd.manifest import TENSOR_COLUMNS, Manifest
+from wcd.replies import decoding, entry_name, field, one_fd, validated_manifest
 
 if TYPE_CHECKING:
     import torch
 
+    from wcd.follower import Follower
     from wcd.key import WeightCacheKey
     from wcd.views import MappedArena
 
@@ -81,17 +82,17 @@ class Lease:
         self._mapped: MappedArena | None = None
         self._arena_fd: int | None = None
         try:
-            with _decoding(f"{self.kind} lease reply"):
-                self.id: int = _field(reply, "lease", int)
-            self.entry: str = _entry_name(reply)
+            with decoding(f"{self.kind} lease reply"):
+                self.id: int = field(reply, "lease", int)
+            self.entry: str = entry_name(reply)
             self._key_wire = reply.get("key")
             # Whose bytes these are: the daemon's own loads ("config"/"load") or a publisher's uid.
             self.origin: str | None = reply.get("origin")
             self.publisher_uid: int | None = reply.get("publisher_uid")
             self.asked_by: int | None = reply.get("asked_by")  # whose `load` made it (origin "load")
-            with _decoding(f"the manifest of {self.entry!r}"):
+            with decoding(f"the manifest of {self.entry!r}"):
                 self.manifest = validated_manifest(reply.get("manifest"))
-                self.arena: dict[str, Any] = _field(reply, "arena", dict)
+                self.arena: dict[str, Any] = field(reply, "arena", dict)
         except BaseException:
             os.close(fd)
             if hasattr(self, "id"):
@@ -103,7 +104,7 @@ class Lease:
         try:
             from wcd.views import map_arena
 
-            with _decoding(f"the arena of {self.entry!r}"):
+            with decoding(f"the arena of {self.entry!r}"):
                 self._mapped = map_arena(self.arena, fd, self.manifest, writable=self.kind == "fill",
                                          remappable=mapping == "remappable")
         except BaseException:
@@ -116,7 +117,7 @@ class Lease:
         from wcd.key import WeightCacheKey
 
         if not isinstance(self._key_wire, WeightCacheKey):
-            with _decoding(f"the key of {self.entry!r}"):
+            with decoding(f"the key of {self.entry!r}"):
                 self._key_wire = WeightCacheKey.model_validate(self._key_wire)
         return self._key_wire
 
@@ -169,7 +170,7 @@ class FillLease(Lease):
         reply = self.client.request("commit", lease=self.id)
         self.released = True
         self.client._forget(self)
-        return _entry_name(reply)
+        return entry_name(reply)
 
     def abort(self) -> None:
         if self._mapped is not None:
@@ -496,7 +497,9 @@ class Client:
         return self.request("rollback", **fields)
 
     def follow(self, series: str, *, copy_into: Mapping[str, torch.Tensor] | None = None) -> Follower:
-        """Acquire the current generation of `series` and follow it (`Follower`)."""
+        """Acquire the current generation of `series` and follow it (`wcd.follower.Follower`)."""
+        from wcd.follower import Follower
+
         return Follower(self, series, copy_into)
 
     @property
@@ -520,7 +523,7 @@ class Client:
         leases, after = [], 0
         while True:
             page = self.request("leases", after=after)
-            leases += _field(page, "leases", list)
+            leases += field(page, "leases", list)
             cursor = page.get("next")
             if cursor is None:
                 return leases
@@ -555,13 +558,13 @@ class Client:
         holding exactly those bytes (it hashes an entry once, at commit or at the first such ask)."""
         checked = {} if digest is None else {"digest": digest}
         reply, fds = self.request_fds("acquire", wait=wait, timeout_s=timeout_s, **_target(target), **checked)
-        return self._track(Lease(self, reply, _one_fd(fds)))
+        return self._track(Lease(self, reply, one_fd(fds)))
 
     def _acquire_generation(self, series: str, generation: int | None, mapping: str) -> Lease:
         """A lease on the current generation of `series`, or on generation `generation` of it."""
         target = {"series": series} if generation is None else {"name": f"{series}@{generation}"}
         reply, fds = self.request_fds("acquire", wait=False, **target)
-        return self._track(Lease(self, reply, _one_fd(fds), mapping=mapping))
+        return self._track(Lease(self, reply, one_fd(fds), mapping=mapping))
 
     def reserve(self, key: WeightCacheKey, tensors: Mapping[str, tuple[Any, tuple[int, ...]]], *,
                 retention: str = "cached", series: str | None = None) -> FillLease:
@@ -575,7 +578,7 @@ class Client:
         if series is not None:
             listing["series"] = series
         reply, fds = self.request_fds("reserve", key=key.model_dump(), retention=retention, **listing)
-        return self._track(FillLease(self, reply, _one_fd(fds)))  # type: ignore[return-value]
+        return self._track(FillLease(self, reply, one_fd(fds)))  # type: ignore[return-value]
 
     def publish(self, key: WeightCacheKey, tensors: Mapping[str, torch.Tensor], *, retention: str = "cached",
                 series: str | None = None) -> str:
@@ -606,7 +609,9 @@ class Client:
         from wcd.key import WeightCacheKey
 
         if device is None:
-            device = _device_of(tensors)
+            from wcd.follower import device_of
+
+            device = device_of(tensors)
         key = WeightCacheKey(model=series, transform="generations", device=device)
         name = self.publish(key, tensors, retention=retention, series=series)
         return int(name.rpartition("@")[2])
@@ -633,147 +638,6 @@ class Client:
         self.close()
 
 
-class Follower:
-    """Follows a series: `tensors` keep their addresses while `update` moves them to another
-    generation.
-
-    In place (the default), the tensors are views of the generation's arena and `update` maps
-    the next generation's arena behind the same addresses (CUDA: unmap + map of the other
-    allocation at the same VA; host: mmap MAP_FIXED over the same range): no bytes copied,
-    captured CUDA graphs stay valid. With `copy_into` (an engine that owns its weights: a dict
-    of tensors with the series' names and layout), `update` copies the generation into them
-    (device to device) instead, and `tensors` are those. Either way an update is whole or not
-    at all: on failure the follower stays on the generation it was on.
-
-    Only one thread may call `update` at a time; nothing may run on the tensors during it (the
-    engine calls it between steps, as it would load weights).
-    """
-
-    def __init__(self, client: Client, series: str, copy_into: Mapping[str, torch.Tensor] | None = None) -> None:
-        self.client, self.series = client, series
-        self._into = dict(copy_into) if copy_into is not None else None
-        self.announced = client.watch(series)  # the current generation, as last announced
-        try:
-            lease = client._acquire_generation(series, None, "map" if self._into is not None else "remappable")
-        except BaseException:
-            client.unwatch(series)
-            raise
-        self.generation = int(lease.entry.rpartition("@")[2])
-        self.announced = self.generation
-        self._layout = lease.manifest.layout()
-        self.lease: Lease | None = lease  # copy-in followers hold none between updates
-        if self._into is not None:
-            try:
-                self._copy(lease)
-            finally:
-                lease.release()
-                self.lease = None
-        self.taken_s = 0.0  # how long the last update took (acquire, swap or copy, release)
-
-    @property
-    def tensors(self) -> dict[str, torch.Tensor]:
-        if self._into is not None:
-            return self._into
-        if self.lease is None:
-            raise WcdError(f"the follower of {self.series!r} is closed")
-        return self.lease.tensors
-
-    def poll(self, timeout: float | None = 0.0) -> int:
-        """The current generation as last announced, waiting up to `timeout` s (None: until one
-        comes) for an announcement while it is the one followed."""
-        while self.announced == self.generation:
-            event = self.client.next_event(timeout)
-            if event is None:
-                break
-            self._note(event)
-        while (event := self.client.next_event(0.0)) is not None:
-            self._note(event)
-        return self.announced
-
-    def _note(self, event: dict[str, Any]) -> None:
-        if event.get("series") == self.series and isinstance(event.get("generation"), int):
-            self.announced = event["generation"]
-
-    def update(self, generation: int | None = None) -> bool:
-        """Move to `generation` (default: the current one); whether the tensors changed."""
-        started = time.perf_counter()
-        new = self.client._acquire_generation(self.series, generation, "map" if self._into is not None else "fd")
-        try:
-            number = int(new.entry.rpartition("@")[2])
-            if number == self.generation:
-                new.release()
-                return False
-            if new.manifest.layout() != self._layout:
-                raise BadRequest(f"generation {number} of {self.series!r} has another layout: it cannot be followed "
-                                 "in place")
-            if self._into is not None:
-                self._copy(new)
-                new.release()
-            else:
-                self._swap(new)
-        except BaseException:
-            new.release()
-            raise
-        old = self.lease
-        self.lease = new if self._into is None else None
-        self.generation = number
-        if old is not None:
-            old.release()
-        self.taken_s = time.perf_counter() - started
-        return True
-
-    def _swap(self, new: Lease) -> None:
-        """Map `new`'s arena behind the tensors of the lease followed now; `new` then holds that
-        mapping and the old lease's mapping object goes (its range now shows `new`'s bytes)."""
-        fd = new._arena_fd
-        if fd is None:
-            raise BadRequest("the new generation's descriptor is gone")
-        mapped = self.lease._mapped if self.lease is not None else None
-        if mapped is None:
-            raise BadRequest("the followed lease is released")
-        mapped.remap(new.arena, fd)
-        new._adopt_mapping(mapped)
-        self.lease._mapped = None  # type: ignore[union-attr]
-
-    def _copy(self, lease: Lease) -> None:
-        assert self._into is not None
-        source = lease.tensors
-        missing = source.keys() ^ self._into.keys()
-        if missing:
-            raise BadRequest(f"copy_into and generation differ in tensors: {sorted(missing)[:5]}")
-        for name, t in self._into.items():
-            t.copy_(source[name], non_blocking=True)
-        first = next(iter(self._into.values()), None)
-        if first is not None and first.is_cuda:
-            import torch
-
-            torch.cuda.synchronize(first.device)
-
-    def close(self) -> None:
-        """Release the lease and stop watching. Tensors of an in-place follower stay valid (their
-        mapping lives while they do) but no longer follow."""
-        if self.lease is not None:
-            self.lease.release()
-        if self.series in self.client._watching:
-            self.client.unwatch(self.series)
-
-    def __enter__(self) -> Follower:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def _device_of(tensors: Mapping[str, torch.Tensor]) -> str:
-    """Where tensors live, as the daemon names devices: a GPU by UUID, else "cpu"."""
-    first = next(iter(tensors.values()), None)
-    if first is None or not first.is_cuda:
-        return "cpu"
-    import torch
-
-    return "GPU-" + str(torch.cuda.get_device_properties(first.device).uuid).removeprefix("GPU-")
-
-
 def connect(path: str | os.PathLike[str] | None = None, *, wait_s: float = 0.0,
             while_alive: Callable[[], bool] | None = None, **kwargs: Any) -> Client:
     """A `Client`, retrying for up to `wait_s` seconds while the daemon starts (an engine started
@@ -792,74 +656,3 @@ def _target(target: str | WeightCacheKey) -> dict[str, Any]:
     if isinstance(target, str):
         return {"name": target}
     return {"key": target.model_dump()}
-
-
-# Validated manifests by their wire columns: re-acquiring an entry this process has seen skips
-# validation and view planning. Keyed by the bytes themselves, so a hit is an exact match.
-_MANIFESTS: OrderedDict[tuple[Any, ...], Manifest] = OrderedDict()
-_MANIFESTS_LOCK = threading.Lock()
-_MANIFESTS_KEPT = 16
-_MANIFEST_FIELDS = ("size", "names", "dtypes", "shape_ndims", "shape_dims", "shape_ids", "offsets", "runs")
-
-
-def validated_manifest(obj: Any) -> Manifest:
-    """`Manifest.from_wire(obj)`, remembering the last few manifests validated in this process."""
-    try:
-        key = tuple(obj[f] for f in _MANIFEST_FIELDS)
-        hash(key)
-    except (TypeError, KeyError):  # not v2 columns: validate without caching (and fail there if bad)
-        return Manifest.from_wire(obj)
-    with _MANIFESTS_LOCK:
-        manifest = _MANIFESTS.get(key)
-        if manifest is not None:
-            _MANIFESTS.move_to_end(key)
-            return manifest
-    manifest = Manifest.from_wire(obj)
-    with _MANIFESTS_LOCK:
-        _MANIFESTS[key] = manifest
-        while len(_MANIFESTS) > _MANIFESTS_KEPT:
-            _MANIFESTS.popitem(last=False)
-    return manifest
-
-
-@contextmanager
-def _decoding(what: str) -> Iterator[None]:
-    """Whatever goes wrong decoding `what` (part of a reply) is one `BadReply` line: a reply (say,
-    an entry another uid crafted) must never reach an engine as a TypeError or KeyError, which its
-    fallback to loading from disk would not catch. Other `WcdError`s (a missing CUDA backend) pass."""
-    try:
-        yield
-    except BadRequest as e:  # the local checks of a manifest or an arena
-        raise BadReply(f"{what}: {e.message}", e.details) from None
-    except WcdError:
-        raise
-    except Exception as e:
-        detail = next(iter(str(e).splitlines()), "")[:200]
-        raise BadReply(f"{what} is malformed ({type(e).__name__}: {detail}); the entry cannot be used") from None
-
-
-T = TypeVar("T")
-
-
-def _field(reply: dict[str, Any], name: str, kind: type[T]) -> T:
-    value = reply.get(name)
-    if not isinstance(value, kind):
-        raise BadReply(f"reply field {name!r} is {type(value).__name__}, not {kind.__name__}")
-    return value
-
-
-def _entry_name(reply: dict[str, Any]) -> str:
-    """The reply's entry name, refused if it holds control characters (they would forge the
-    engine's log lines and an operator's terminal output)."""
-    name = _field(reply, "entry", str)
-    if has_control(name):
-        raise BadReply(f"the daemon named an entry {name!r:.80}, with control characters: refusing it")
-    return name
-
-
-def _one_fd(fds: list[int]) -> int:
-    if len(fds) != 1:
-        for fd in fds:
-            os.close(fd)
-        raise ProtocolError(f"expected one arena descriptor, got {len(fds)}")
-    return fds[0]

@@ -1,0 +1,156 @@
+"""Following a series from an engine: tensors at fixed addresses, moved between generations.
+
+`Client.follow` makes one. Imports torch only where tensors are touched.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from wcd.errors import BadRequest, WcdError
+
+if TYPE_CHECKING:
+    import torch
+
+class Follower:
+    """Follows a series: `tensors` keep their addresses while `update` moves them to another
+    generation.
+
+    In place (the default), the tensors are views of the generation's arena and `update` maps
+    the next generation's arena behind the same addresses (CUDA: unmap + map of the other
+    allocation at the same VA; host: mmap MAP_FIXED over the same range): no bytes copied,
+    captured CUDA graphs stay valid. With `copy_into` (an engine that owns its weights: a dict
+    of tensors with the series' names and layout), `update` copies the generation into them
+    (device to device) instead, and `tensors` are those. Either way an update is whole or not
+    at all: on failure the follower stays on the generation it was on.
+
+    Only one thread may call `update` at a time; nothing may run on the tensors during it (the
+    engine calls it between steps, as it would load weights).
+    """
+
+    def __init__(self, client: Any, series: str, copy_into: Mapping[str, torch.Tensor] | None = None) -> None:
+        """`client`: the `wcd.client.Client` whose connection is told of new generations."""
+        self.client, self.series = client, series
+        self._into = dict(copy_into) if copy_into is not None else None
+        self.announced = client.watch(series)  # the current generation, as last announced
+        try:
+            lease = client._acquire_generation(series, None, "map" if self._into is not None else "remappable")
+        except BaseException:
+            client.unwatch(series)
+            raise
+        self.generation = int(lease.entry.rpartition("@")[2])
+        self.announced = self.generation
+        self._layout = lease.manifest.layout()
+        self.lease: Any = lease  # a `wcd.client.Lease`; copy-in followers hold none between updates
+        if self._into is not None:
+            try:
+                self._copy(lease)
+            finally:
+                lease.release()
+                self.lease = None
+        self.taken_s = 0.0  # how long the last update took (acquire, swap or copy, release)
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        if self._into is not None:
+            return self._into
+        if self.lease is None:
+            raise WcdError(f"the follower of {self.series!r} is closed")
+        return self.lease.tensors
+
+    def poll(self, timeout: float | None = 0.0) -> int:
+        """The current generation as last announced, waiting up to `timeout` s (None: until one
+        comes) for an announcement while it is the one followed."""
+        while self.announced == self.generation:
+            event = self.client.next_event(timeout)
+            if event is None:
+                break
+            self._note(event)
+        while (event := self.client.next_event(0.0)) is not None:
+            self._note(event)
+        return self.announced
+
+    def _note(self, event: dict[str, Any]) -> None:
+        if event.get("series") == self.series and isinstance(event.get("generation"), int):
+            self.announced = event["generation"]
+
+    def update(self, generation: int | None = None) -> bool:
+        """Move to `generation` (default: the current one); whether the tensors changed."""
+        started = time.perf_counter()
+        new = self.client._acquire_generation(self.series, generation, "map" if self._into is not None else "fd")
+        try:
+            number = int(new.entry.rpartition("@")[2])
+            if number == self.generation:
+                new.release()
+                return False
+            if new.manifest.layout() != self._layout:
+                raise BadRequest(f"generation {number} of {self.series!r} has another layout: it cannot be followed "
+                                 "in place")
+            if self._into is not None:
+                self._copy(new)
+                new.release()
+            else:
+                self._swap(new)
+        except BaseException:
+            new.release()
+            raise
+        old = self.lease
+        self.lease = new if self._into is None else None
+        self.generation = number
+        if old is not None:
+            old.release()
+        self.taken_s = time.perf_counter() - started
+        return True
+
+    def _swap(self, new: Any) -> None:
+        """Map `new`'s arena behind the tensors of the lease followed now; `new` then holds that
+        mapping and the old lease's mapping object goes (its range now shows `new`'s bytes)."""
+        fd = new._arena_fd
+        if fd is None:
+            raise BadRequest("the new generation's descriptor is gone")
+        mapped = self.lease._mapped if self.lease is not None else None
+        if mapped is None:
+            raise BadRequest("the followed lease is released")
+        mapped.remap(new.arena, fd)
+        new._adopt_mapping(mapped)
+        self.lease._mapped = None
+
+    def _copy(self, lease: Any) -> None:
+        assert self._into is not None
+        source = lease.tensors
+        missing = source.keys() ^ self._into.keys()
+        if missing:
+            raise BadRequest(f"copy_into and generation differ in tensors: {sorted(missing)[:5]}")
+        for name, t in self._into.items():
+            t.copy_(source[name], non_blocking=True)
+        first = next(iter(self._into.values()), None)
+        if first is not None and first.is_cuda:
+            import torch
+
+            torch.cuda.synchronize(first.device)
+
+    def close(self) -> None:
+        """Release the lease and stop watching. Tensors of an in-place follower stay valid (their
+        mapping lives while they do) but no longer follow."""
+        if self.lease is not None:
+            self.lease.release()
+        if self.series in self.client._watching:
+            self.client.unwatch(self.series)
+
+    def __enter__(self) -> Follower:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def device_of(tensors: Mapping[str, torch.Tensor]) -> str:
+    """Where tensors live, as the daemon names devices: a GPU by UUID, else "cpu"."""
+    first = next(iter(tensors.values()), None)
+    if first is None or not first.is_cuda:
+        return "cpu"
+    import torch
+
+    return "GPU-" + str(torch.cuda.get_device_properties(first.device).uuid).removeprefix("GPU-")
