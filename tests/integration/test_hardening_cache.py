@@ -179,6 +179,7 @@ def test_leases_expiring_at_once_are_ended_in_batches_with_one_log_line_each(mak
 # -- 7: an admin's load is the admin's, not the daemon's own ------------------------------------------
 
 
+@pytest.mark.slow
 @needs_root
 def test_an_admins_load_is_judged_by_the_uid_that_asked(make_daemon, checkpoint, shared_dir):
     """uid 1237, an admin, loads a path: the entry records who asked, and the integrations' raw
