@@ -325,17 +325,21 @@ def test_listen_fds_from_real_socket_activation(tmp_path: Path) -> None:
         ["systemd-socket-activate", "--listen", str(path), "--fdname=wcd", sys.executable, "-c", code],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )
-    try:
-        deadline = time.monotonic() + 10
-        while not path.exists():
-            assert time.monotonic() < deadline, "systemd-socket-activate did not create the socket"
-            time.sleep(0.01)
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
-            client.connect(str(path))  # the first connection spawns the child
-            out, err = proc.communicate(timeout=30)
-    finally:
-        proc.kill()
-        proc.wait()
+    with proc:  # closes its pipes whatever happens
+        try:
+            deadline = time.monotonic() + 10
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+                while True:  # the socket's file exists from its bind, before the helper listens
+                    try:
+                        client.connect(str(path))  # the first connection spawns the child
+                        break
+                    except (FileNotFoundError, ConnectionRefusedError):
+                        assert time.monotonic() < deadline, "systemd-socket-activate did not listen in 10 s"
+                        time.sleep(0.01)
+                out, err = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+            proc.wait()
     assert json.loads(out) == [[3, "wcd"]], err
 
 
