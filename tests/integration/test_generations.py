@@ -179,6 +179,7 @@ def test_a_generation_that_cannot_fit_beside_the_current_one_is_refused_in_one_l
     assert follower.update() is False and entries(trainer)["p@1"]["current"]
 
 
+@pytest.mark.slow  # a second interpreter importing torch: seconds on 2 cores
 def test_a_trainer_killed_mid_reserve_leaves_the_series_on_its_generation(make_daemon: Any) -> None:
     daemon = make_daemon()
     trainer, engine = daemon.client(), daemon.client()
@@ -207,6 +208,7 @@ def test_a_trainer_killed_mid_reserve_leaves_the_series_on_its_generation(make_d
     assert follower.update() and digest(follower.tensors) == digest(weights(3))
 
 
+@pytest.mark.slow  # a second interpreter importing torch: seconds on 2 cores
 def test_an_engine_killed_mid_follow_returns_its_generation(make_daemon: Any) -> None:
     daemon = make_daemon("keep_generations = 0\n")
     trainer = daemon.client()
