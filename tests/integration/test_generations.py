@@ -265,3 +265,34 @@ def test_wcdctl_lists_generations_and_rolls_a_series_back(make_daemon: Any) -> N
     again = subprocess.run([*wcdctl, "rollback", "policy", "--to", "7"], capture_output=True, text=True, timeout=60)
     assert again.returncode != 0 and len(again.stderr.strip().splitlines()) == 1, again.stderr
     assert "generation 7 is not kept" in again.stderr
+
+
+@pytest.mark.slow
+def test_commits_announced_to_many_watchers_that_never_read_leave_other_clients_fast(make_daemon: Any) -> None:
+    """The hook's question for `watch`: 500 connections watching one series (and never reading
+    their events) while a trainer commits 20 generations; a second client's pings stay fast, and
+    the watchers' unread events stay within their connections' buffers."""
+    from tests.integration.pings import assert_fast, pinging
+    from wcd.client import Client
+
+    daemon = make_daemon("max_connections = 1024\nmax_connections_per_uid = 1024\n")
+    trainer = daemon.client()
+    trainer.publish_generation("s", weights(1, n=2, numel=256))
+    watchers = []
+    for _ in range(500):
+        c = Client(daemon.socket, heartbeats=False)
+        c.watch("s")
+        watchers.append(c)
+    try:
+        with pinging(daemon) as pings:
+            for seed in range(2, 22):
+                trainer.publish_generation("s", weights(seed, n=2, numel=256))
+        assert_fast(pings)
+        [series] = trainer.status()["series"]
+        assert series["watchers"] == 500 and series["current"] == 21
+        follower = watchers[0].follow("s")  # a watcher that reads later finds every announcement queued
+        assert follower.generation == 21 and follower.poll(timeout=0) == 21
+        follower.close()
+    finally:
+        for c in watchers:
+            c.close()
