@@ -275,6 +275,12 @@ class Client:
             self._broken = e if isinstance(e, DaemonUnavailable) else DaemonUnavailable(e.message)
             raise
         log.info("wcd: reconnected to %s (%d lease(s) from the old connection are lost)", self.path, len(lost))
+        for series in list(self._watching):  # watches belong to a connection: ask again on the new one
+            try:
+                self.request("watch", series=series)
+            except WcdError as e:
+                self._watching.discard(series)
+                log.warning("wcd: no longer told of %s's generations: %s", series, e.message)
 
     def _preload_mapping(self) -> None:
         """Import the mapping code at connect time, not inside the first attach (an engine connects

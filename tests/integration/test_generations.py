@@ -296,3 +296,17 @@ def test_commits_announced_to_many_watchers_that_never_read_leave_other_clients_
     finally:
         for c in watchers:
             c.close()
+
+
+def test_a_follower_is_told_again_after_the_daemon_restarts(make_daemon: Any) -> None:
+    """Watches belong to a connection: the client asks again when it reconnects."""
+    daemon = make_daemon()
+    engine = daemon.client()
+    engine.watch("s")
+    assert daemon.stop() == 0
+    daemon.start()
+    trainer = daemon.client()
+    engine.ping()  # reconnects (it held no lease) and watches again
+    trainer.publish_generation("s", weights(1))
+    event = engine.next_event(timeout=10)
+    assert event is not None and event["series"] == "s" and event["generation"] == 1
