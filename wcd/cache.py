@@ -344,7 +344,9 @@ class Cache:
         free = budget - self.used(device) - outside
         if nbytes <= free:
             return []
-        candidates = sorted((e for e in self._evictable() if e.device == device), key=lambda e: e.last_used)
+        # A series' current generation goes after its kept ones: they are what it rolls back to.
+        candidates = sorted((e for e in self._evictable() if e.device == device),
+                            key=lambda e: (e.series is not None and e.series.current == e.generation, e.last_used))
         victims = []
         for e in candidates:
             if free >= nbytes:
@@ -486,7 +488,8 @@ class Cache:
         if series is None:
             entry, victims = self.admit(name, key, manifest, nbytes, retention, "publish", publisher=uid)
             return entry, self._new_lease(entry, "fill", owner, pid, uid, held_until=math.inf), victims
-        into, generation = self.generations.next(series, uid, admin, manifest.layout())
+        # A generation must be read through the series' views on the series' device.
+        into, generation = self.generations.next(series, uid, admin, f"{manifest.layout()}@{key.device}")
         key = key.model_copy(update={"extra": {**key.extra, "series": series, "generation": str(generation)}})
         entry, victims = self.admit(f"{series}@{generation}", key, manifest, nbytes, retention, "publish",
                                     publisher=uid)
@@ -496,7 +499,7 @@ class Cache:
     def adopted_generation(self, entry: Entry, layout: str) -> list[Entry]:
         """A generation re-adopted after a restart rejoins its series (`Generations.adopted`);
         returns the entries dropped."""
-        return [self._drop(e) for e in self.generations.adopted(entry, layout)]
+        return [self._drop(e) for e in self.generations.adopted(entry, f"{layout}@{entry.device}")]
 
     def current(self, name: str) -> Entry:
         """The current generation of series `name`."""

@@ -215,6 +215,7 @@ class Client:
         self._leases: dict[int, Lease] = {}
         self._events: deque[dict[str, Any]] = deque(maxlen=1024)  # announcements of watched series
         self._watching: set[str] = set()
+        self._latest: dict[str, int] = {}  # series -> its current generation as last told
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
         self._heartbeats = heartbeats
@@ -277,7 +278,7 @@ class Client:
         log.info("wcd: reconnected to %s (%d lease(s) from the old connection are lost)", self.path, len(lost))
         for series in list(self._watching):  # watches belong to a connection: ask again on the new one
             try:
-                self.request("watch", series=series)
+                self.watch(series)  # its reply says which generation is current now
             except WcdError as e:
                 self._watching.discard(series)
                 log.warning("wcd: no longer told of %s's generations: %s", series, e.message)
@@ -372,6 +373,8 @@ class Client:
                     if "event" in msg and msg.get("id") is None:  # unasked: a watched series changed
                         for fd in fds:
                             os.close(fd)
+                        if isinstance(msg.get("series"), str) and isinstance(msg.get("generation"), int):
+                            self._latest[msg["series"]] = msg["generation"]
                         self._events.append(msg)
                         self._cond.notify_all()
                     else:
@@ -454,23 +457,33 @@ class Client:
 
     def next_event(self, timeout: float | None = None) -> dict[str, Any] | None:
         """The next announcement of a watched series (`watch`), waiting up to `timeout` s (None:
-        for ever); None if none came. Reads the socket itself when no other thread is reading."""
+        for ever); None if none came. Reads the socket itself when no other thread is reading,
+        at least once even with a timeout of 0. A connection the daemon closed (it restarted) is
+        opened again, watches included."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        tried = False
         while True:
             with self._cond:
                 while True:
                     if self._events:
                         return self._events.popleft()
-                    if self._broken is not None:
-                        raise self._broken
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
+                    broken = self._broken
+                    if broken is not None and not isinstance(broken, DaemonUnavailable):
+                        raise broken
+                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    if broken is None and tried and left is not None and left <= 0:
                         return None
-                    if not self._reading:
+                    if broken is None and not self._reading:
                         self._reading = True
                         break
+                    if broken is not None:
+                        break
                     self._cond.wait(left)
+            if broken is not None:
+                self.ping()  # reconnects and watches again, or raises DaemonUnavailable
+                continue
             try:
+                tried = True
                 self._read_for(left)
             finally:
                 with self._cond:
@@ -478,17 +491,23 @@ class Client:
                     self._cond.notify_all()
 
     def _read_for(self, timeout: float | None) -> None:
-        """`_read_some`, giving up quietly after `timeout` s without a complete frame."""
-        if timeout is not None:
-            ready = _select.select([self.sock], [], [], timeout)[0]
-            if not ready and not self._decoder.has_frame():
-                return
+        """`_read_some` once a frame has begun to arrive, waiting for that up to `timeout` s (None:
+        for ever): an idle wait is not the socket's timeout, which would end the connection."""
+        if not self._decoder.has_frame() and not _select.select([self.sock], [], [], timeout)[0]:
+            return
         self._read_some()
+
+    def announced(self, series: str) -> int | None:
+        """The generation of `series` last announced or seen current on this connection."""
+        with self._cond:
+            return self._latest.get(series)
 
     def watch(self, series: str) -> int:
         """Be told (`next_event`) when a generation of `series` becomes current; its current one now (0: none)."""
         generation = int(self.request("watch", series=series)["generation"])
         self._watching.add(series)
+        with self._cond:
+            self._latest[series] = generation
         return generation
 
     def unwatch(self, series: str) -> None:

@@ -9,7 +9,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from wcd.errors import BadRequest, WcdError
+from wcd.errors import BadRequest, PermissionDenied, WcdError
 
 if TYPE_CHECKING:
     import torch
@@ -35,21 +35,28 @@ class Follower:
         self.client, self.series = client, series
         self._into = dict(copy_into) if copy_into is not None else None
         self.announced = client.watch(series)  # the current generation, as last announced
+        self.lease: Any = None  # a `wcd.client.Lease`; copy-in followers hold none between updates
         try:
             lease = client._acquire_generation(series, None, "map" if self._into is not None else "remappable")
+            try:
+                self.publisher = self._trusted(lease)  # every later generation must come from it
+                self.generation = _number(lease, series)
+                self._layout = lease.manifest.layout()
+                self._server = client.server.get("pid")  # generation numbers are a daemon's, not for ever
+                if self._into is not None:
+                    self._check_into(lease)
+                    self._copy(lease)
+            except BaseException:
+                lease.release()
+                raise
         except BaseException:
             client.unwatch(series)
             raise
-        self.generation = int(lease.entry.rpartition("@")[2])
-        self.announced = self.generation
-        self._layout = lease.manifest.layout()
-        self.lease: Any = lease  # a `wcd.client.Lease`; copy-in followers hold none between updates
         if self._into is not None:
-            try:
-                self._copy(lease)
-            finally:
-                lease.release()
-                self.lease = None
+            lease.release()
+        else:
+            self.lease = lease
+        self.announced = self.generation
         self.taken_s = 0.0  # how long the last update took (acquire, swap or copy, release)
 
     @property
@@ -62,40 +69,50 @@ class Follower:
 
     def poll(self, timeout: float | None = 0.0) -> int:
         """The current generation as last announced, waiting up to `timeout` s (None: until one
-        comes) for an announcement while it is the one followed."""
-        while self.announced == self.generation:
-            event = self.client.next_event(timeout)
-            if event is None:
-                break
-            self._note(event)
-        while (event := self.client.next_event(0.0)) is not None:
-            self._note(event)
-        return self.announced
-
-    def _note(self, event: dict[str, Any]) -> None:
-        if event.get("series") == self.series and isinstance(event.get("generation"), int):
-            self.announced = event["generation"]
+        comes) for an announcement while it is the one followed. Announcements of other series
+        on the same connection are kept for their own followers (`Client.announced`)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            latest = self.client.announced(self.series)
+            if latest is not None:
+                self.announced = latest
+            if self.announced != self.generation:
+                return self.announced
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if self.client.next_event(left) is None:  # reads at least once, even with 0 s left
+                latest = self.client.announced(self.series)
+                return self.announced if latest is None else latest
 
     def update(self, generation: int | None = None) -> bool:
         """Move to `generation` (default: the current one); whether the tensors changed."""
         started = time.perf_counter()
         new = self.client._acquire_generation(self.series, generation, "map" if self._into is not None else "fd")
         try:
-            number = int(new.entry.rpartition("@")[2])
-            if number == self.generation:
+            number = _number(new, self.series)
+            restarted = self.client.server.get("pid") != self._server  # its numbers start again
+            if number == self.generation and not restarted:
                 new.release()
                 return False
             if new.manifest.layout() != self._layout:
                 raise BadRequest(f"generation {number} of {self.series!r} has another layout: it cannot be followed "
                                  "in place")
+            if self._trusted(new) != self.publisher:
+                raise PermissionDenied(f"generation {number} of {self.series!r} was published by uid "
+                                       f"{new.publisher_uid}, not by uid {self.publisher} who published the one "
+                                       "followed: not taken", {"series": self.series})
             if self._into is not None:
-                self._copy(new)
+                try:
+                    self._copy(new)
+                except BaseException:
+                    self.generation = 0  # part copied: neither generation (the next update copies all)
+                    raise
                 new.release()
             else:
                 self._swap(new)
         except BaseException:
             new.release()
             raise
+        self._server = self.client.server.get("pid")
         old = self.lease
         self.lease = new if self._into is None else None
         self.generation = number
@@ -117,12 +134,32 @@ class Follower:
         new._adopt_mapping(mapped)
         self.lease._mapped = None
 
-    def _copy(self, lease: Any) -> None:
+    def _trusted(self, lease: Any) -> int:
+        """The publisher of `lease`'s generation, if this engine trusts it (`wcd.integrations.trust`)."""
+        from wcd.integrations.trust import accepted_publisher
+
+        if accepted_publisher(self.client, lease) is None:
+            raise PermissionDenied(f"{lease.entry} was published by uid {lease.publisher_uid}, whom this process "
+                                   "does not trust (its own uid, the daemon's, or the daemon's trusted_publishers)",
+                                   {"series": self.series})
+        return int(lease.publisher_uid)
+
+    def _check_into(self, lease: Any) -> None:
+        """`copy_into` must hold the series' tensors with their dtypes and shapes: a copy_ would
+        otherwise broadcast or convert without a word."""
         assert self._into is not None
         source = lease.tensors
         missing = source.keys() ^ self._into.keys()
         if missing:
             raise BadRequest(f"copy_into and generation differ in tensors: {sorted(missing)[:5]}")
+        for name, t in self._into.items():
+            if t.dtype != source[name].dtype or t.shape != source[name].shape:
+                raise BadRequest(f"copy_into[{name!r}] is {t.dtype} {tuple(t.shape)}, the series' is "
+                                 f"{source[name].dtype} {tuple(source[name].shape)}")
+
+    def _copy(self, lease: Any) -> None:
+        assert self._into is not None
+        source = lease.tensors
         for name, t in self._into.items():
             t.copy_(source[name], non_blocking=True)
         first = next(iter(self._into.values()), None)
@@ -144,6 +181,14 @@ class Follower:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _number(lease: Any, series: str) -> int:
+    """The generation a lease of `series` is on, from its entry's name (`series@N`)."""
+    name, at, number = lease.entry.rpartition("@")
+    if name != series or not at or not (number.isascii() and number.isdecimal()):
+        raise BadRequest(f"{lease.entry!r} is not a generation of series {series!r}")
+    return int(number)
 
 
 def device_of(tensors: Mapping[str, torch.Tensor]) -> str:

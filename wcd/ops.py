@@ -291,6 +291,9 @@ async def _wire_ready(ctx: Context, conn: Connection, entry: Entry) -> None:
 
 async def reserve(ctx: Context, conn: Connection, req: protocol.Reserve) -> None:
     _check_publishable(ctx, conn, req.key, req.retention)
+    if req.series is None and {"series", "generation"} & req.key.extra.keys():
+        raise BadRequest("key.extra 'series' and 'generation' mark the generations of a series: reserve with "
+                         "'series' to publish one")
     key = req.key.model_copy(update={"device": ctx.residency.canonical_device(req.key.device, from_peer=True)})
     conn.quotas.fd_room(conn)
     manifest = await asyncio.to_thread(_reserved_manifest, req.columns, req.series is not None)

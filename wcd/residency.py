@@ -333,6 +333,7 @@ class Residency:
         assert entry.series is not None
         for newer in [e for g, e in entry.series.generations.items() if g > entry.generation]:
             adoption.unpark(newer)
+        adoption.park(entry)  # a rollback forward again: the generation current now is kept again
         return entry
 
     # -- verifying --------------------------------------------------------------------------
@@ -509,12 +510,14 @@ class Residency:
         entry.manifest, entry.notes = checked
         entry.done_bytes, entry.load_phase = entry.manifest.nbytes, ""
         entry.recorded_tensors = None
+        layout = await asyncio.to_thread(entry.manifest.layout) if "series" in entry.key.extra else None
+        if gone():
+            return
         if entry.state == "evicting":  # evicted while it was checked
             await self._drop_loading(entry)
             return
         self.cache.loaded(entry)
-        if "series" in entry.key.extra:
-            layout = await asyncio.to_thread(entry.manifest.layout)
+        if layout is not None:  # a generation rejoins its series before anything is served from it
             try:
                 self.reclaim(self.cache.adopted_generation(entry, layout),
                              f"past keep_generations ({self.cache.keep_generations}) once {entry.name} was adopted")

@@ -28,6 +28,15 @@ class Series:
     generations: dict[int, Any] = field(default_factory=dict)  # number -> Entry
     current: int = 0
     last: int = 0  # the highest generation ever committed: the next reserve is last + 1
+    # When each generation was last made current (a counter): retire keeps the most recent ones,
+    # so after a rollback the generation rolled back from goes before the known-good ones.
+    current_since: dict[int, int] = field(default_factory=dict)
+    turns: int = 0
+
+    def make(self, generation: int) -> None:
+        self.current = generation
+        self.turns += 1
+        self.current_since[generation] = self.turns
 
     def describe(self) -> dict[str, Any]:
         return {"series": self.name, "publisher_uid": self.publisher, "current": self.current,
@@ -67,6 +76,7 @@ class Generations:
         """The cache dropped `entry`, a generation: a series goes with its last generation."""
         series = entry.series
         del series.generations[entry.generation]
+        series.current_since.pop(entry.generation, None)
         if series.current == entry.generation:
             series.current = 0
         if not series.generations:
@@ -76,8 +86,10 @@ class Generations:
         """A generation re-adopted after a restart (its key names series and generation): rejoin its
         series; the newest generation adopted is current. Returns what to drop."""
         name, generation = entry.key.extra.get("series"), entry.key.extra.get("generation", "")
-        if name is None or not generation.isdigit() or entry.origin != "publish" or entry.publisher is None:
+        if name is None or entry.origin != "publish" or entry.publisher is None:
             return []
+        if not (generation.isascii() and generation.isdecimal()) or entry.name != f"{name}@{generation}":
+            raise BadRequest(f"{entry.name!r} is not a generation {generation!r} of series {name!r}")
         series = self.series.get(name)
         if series is None:
             series = Series(name, entry.publisher, layout)
@@ -87,7 +99,9 @@ class Generations:
         self.join(entry, series, int(generation))
         series.generations = dict(sorted(series.generations.items()))
         series.last = max(series.last, int(generation))
-        series.current = max(series.current, int(generation))
+        series.current_since.setdefault(int(generation), 0)
+        if int(generation) > series.current:
+            series.make(int(generation))
         return self.retire(series)
 
     def _check(self, series: Series, uid: int, admin: bool, what: str) -> None:
@@ -110,8 +124,9 @@ class Generations:
     def rollback(self, name: str, uid: int, admin: bool, to: int | None = None) -> tuple[Any, list[Any]]:
         """Make a kept previous generation current again (`to`, or the newest one); the generation
         that was current becomes previous. Returns (the new current, what to drop)."""
-        self.current(name)  # NotFound as for an acquire
-        series = self.series[name]
+        series = self.series.get(name)
+        if series is None:
+            raise NotFound(f"no series named {name!r} (wcdctl list shows what is resident)", {"series": name})
         self._check(series, uid, admin, "roll it back")
         kept = [g for g, e in series.generations.items() if e.state == "previous" and (to is None or g == to)]
         if not kept:
@@ -119,10 +134,12 @@ class Generations:
             listed = ", ".join(str(g) for g, e in series.generations.items() if e.state == "previous")
             raise NotFound(f"series {name!r}: {which} is not kept to roll back to (keep_generations "
                            f"= {self.keep}; kept: {listed or 'none'})", {"series": name})
-        target = series.generations[max(kept)]
-        series.generations[series.current].state = "previous"
+        target = series.generations[max(kept, key=lambda g: (series.current_since.get(g, 0), g))]
+        old = series.generations.get(series.current)
+        if old is not None and old.state == "ready":  # one being evicted stays so
+            old.state = "previous"
         target.state = "ready"
-        series.current = target.generation
+        series.make(target.generation)
         return target, self.retire(series)
 
     def make_current(self, entry: Any) -> list[Any]:
@@ -131,14 +148,15 @@ class Generations:
         old = series.generations.get(series.current)
         if old is not None and old is not entry and old.state == "ready":
             old.state = "previous"
-        series.current = series.last = entry.generation
+        series.last = entry.generation
+        series.make(entry.generation)
         return self.retire(series)
 
     def retire(self, series: Series) -> list[Any]:
         """Keep the newest `keep` previous generations; past that, leased ones are `evicting` (they go
         with their last lease) and unleased ones are returned, for the cache to drop now."""
-        previous = sorted((g for g, e in series.generations.items()
-                           if g != series.current and e.state in SERVED), reverse=True)
+        previous = sorted((g for g, e in series.generations.items() if g != series.current and e.state in SERVED),
+                          key=lambda g: (series.current_since.get(g, 0), g), reverse=True)
         drop = []
         for g in previous[self.keep:]:
             entry = series.generations[g]

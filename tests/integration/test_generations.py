@@ -310,3 +310,65 @@ def test_a_follower_is_told_again_after_the_daemon_restarts(make_daemon: Any) ->
     trainer.publish_generation("s", weights(1))
     event = engine.next_event(timeout=10)
     assert event is not None and event["series"] == "s" and event["generation"] == 1
+
+
+def test_a_plain_publish_cannot_pose_as_a_generation(make_daemon: Any) -> None:
+    from wcd.key import WeightCacheKey
+
+    daemon = make_daemon()
+    c = daemon.client()
+    with pytest.raises(BadRequest, match="reserve with 'series'"):
+        c.publish(WeightCacheKey(model="x", transform="t", extra={"series": "s", "generation": "9"}),
+                  {"w": torch.zeros(4)})
+    assert entries(c) == {}
+
+
+def test_a_poll_between_steps_sees_a_commit_and_followers_share_one_connection(make_daemon: Any) -> None:
+    daemon = make_daemon()
+    trainer, engine = daemon.client(), daemon.client(heartbeats=False)
+    trainer.publish_generation("s", weights(1))
+    trainer.publish_generation("t", weights(1))
+    fs, ft = engine.follow("s"), engine.follow("t")
+    trainer.publish_generation("t", weights(2))
+    trainer.publish_generation("s", weights(3))
+    deadline = time.monotonic() + 5
+    while fs.poll() != 2 and time.monotonic() < deadline:  # timeout 0: no request of its own meanwhile
+        time.sleep(0.01)
+    assert fs.poll() == 2 and ft.poll() == 2, "each follower sees its series, whoever read the event"
+    assert fs.update() and ft.update()
+    assert digest(fs.tensors) == digest(weights(3)) and digest(ft.tensors) == digest(weights(2))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a peer of another uid needs root")
+def test_a_follower_refuses_a_generation_from_another_publisher(make_daemon: Any) -> None:
+    """The squat: uid 1001 pushes the followed series out (budget pressure), publishes its own
+    generations under the same name and layout; the follower refuses them and keeps its bytes."""
+    shared = Path(tempfile.mkdtemp(prefix="wcd-gen-", dir="/tmp"))
+    shared.chmod(0o1777)
+    try:
+        daemon = make_daemon('allowed_uids = [1001]\nbudget = { cpu = "1MiB" }\n', socket=shared / "wcd.sock")
+        trainer, engine = daemon.client(), daemon.client()
+        mine = {f"l{i}": torch.full((1024,), float(i)) for i in range(4)}
+        trainer.publish_generation("policy", mine)
+        owned = {k: torch.zeros_like(v) for k, v in mine.items()}
+        follower = engine.follow("policy", copy_into=owned)
+        code = textwrap.dedent(f"""
+            import os, torch
+            import wcd.client, wcd.views, wcd.key
+            from wcd.client import Client
+            from wcd.key import WeightCacheKey
+            os.setgroups([])
+            os.setuid(1001)
+            c = Client({str(daemon.socket)!r})
+            big = c.reserve(WeightCacheKey(model="filler", transform="t"), {{"x": ("U8", (1024 * 1024 - 8192,))}})
+            big.abort()
+            evil = {{f"l{{i}}": torch.full((1024,), 666.0) for i in range(4)}}
+            print("published", c.publish_generation("policy", evil), c.publish_generation("policy", evil))
+        """)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert "published 1 2" in out.stdout, out.stdout + out.stderr
+        with pytest.raises(PermissionDenied, match="published by uid 1001"):
+            follower.update()
+        assert digest(owned) == digest(mine), "the follower kept the bytes of the publisher it followed"
+    finally:
+        shutil.rmtree(shared)

@@ -726,6 +726,10 @@ def test_every_live_generation_survives_a_restart_and_a_rollback_stays_rolled_ba
             assert f.generation == 3 and same(f.tensors["w"], gen[3]["w"])
         assert c.rollback("s")["generation"] == 2
         _wait_parked(fake_systemd, 2)  # generation 3 left the fd store
+        assert c.rollback("s", 3)["generation"] == 3
+        _wait_parked(fake_systemd, 3)  # forward again: back in the fd store
+        assert c.rollback("s", 2)["generation"] == 2
+        _wait_parked(fake_systemd, 2)
     assert fake_systemd.stop() == 0
 
     fake_systemd.start(cfg)

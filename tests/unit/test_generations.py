@@ -153,3 +153,43 @@ def test_re_adopted_generations_rejoin_their_series_newest_current(cache: Cache)
         entries.append(entry)
     assert cache.current("s") is entries[0] and entries[1].state == "previous"
     assert publish(cache)[0].generation == 3
+
+
+def test_after_a_rollback_the_next_commit_keeps_the_known_good_generation(cache: Cache) -> None:
+    one, _ = publish(cache)
+    two, _ = publish(cache)
+    cache.rollback("s", PUBLISHER, admin=False)  # 2 was bad: back to 1
+    three, dropped = publish(cache)
+    assert [e.name for e in dropped] == ["s@2"], "the rolled-back-from generation goes, not the good one"
+    assert one.state == "previous" and cache.current("s") is three
+
+
+def test_a_rollback_does_not_bring_back_a_current_generation_being_evicted(cache: Cache) -> None:
+    publish(cache)
+    two, _ = publish(cache)
+    read(cache, two)
+    cache.evict(two)  # leased: evicting
+    cache.rollback("s", PUBLISHER, admin=False)
+    assert two.state == "evicting"
+
+
+def test_room_is_made_from_kept_generations_before_the_current_one(cache: Cache) -> None:
+    one, _ = publish(cache, nbytes=400)
+    two, _ = publish(cache, nbytes=400)
+    entry, victims = cache.admit("other", WeightCacheKey(model="o"), LAYOUT, 300, "cached", "load")
+    assert [e.name for e in victims] == ["s@1"] and cache.current("s") is two
+
+
+def test_a_rollback_works_when_the_current_generation_was_evicted(cache: Cache) -> None:
+    one, _ = publish(cache)
+    two, _ = publish(cache)
+    cache.evict(two)
+    assert cache.rollback("s", PUBLISHER, admin=False)[0] is one
+
+
+def test_a_generation_keeps_the_series_device() -> None:
+    cache = Cache({"cpu": 1000, "cuda:0": 1000}, 10.0)
+    publish(cache)
+    with pytest.raises(BadRequest, match="another layout"):
+        cache.reserve("x", WeightCacheKey(model="s", transform="t", device="cuda:0"), LAYOUT, 100, "cached", object(),
+                      1, PUBLISHER, series="s")

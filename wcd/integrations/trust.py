@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 import pwd
 from collections.abc import Iterable
+from typing import Any
 
-from wcd.client import Client, Lease
 from wcd.errors import ConfigError
 
 DAEMON_USER = "wcd"  # the packaged unit's user
@@ -35,11 +35,13 @@ def server_uids() -> frozenset[int]:
     return frozenset(uids)
 
 
-def accepted_publisher(client: Client, lease: Lease, trusted: Iterable[int] = ()) -> str | None:
+def accepted_publisher(client: Any, lease: Any, trusted: Iterable[int] = ()) -> str | None:
     """Why `lease`'s entry may be attached ("the daemon (uid N)", "own uid N", "trusted publisher
     uid N"), or None: its publisher is none of those, or the daemon does not say who it is. An
     entry an admin's `load` made is judged by the uid that asked (`asked_by`): the daemon read
-    what that uid pointed it at, so it is the daemon's own load only if the daemon's uid asked."""
+    what that uid pointed it at, so it is the daemon's own load only if the daemon's uid asked.
+    (`client` is a `wcd.client.Client`, `lease` one of its leases: typed loosely so that
+    `wcd.follower` may use this module without an import circle.)"""
     uid = lease.asked_by if lease.origin == "load" and lease.asked_by is not None else lease.publisher_uid
     if type(uid) is not int:
         return None
@@ -53,7 +55,7 @@ def accepted_publisher(client: Client, lease: Lease, trusted: Iterable[int] = ()
     return None
 
 
-def whose(lease: Lease) -> str:
+def whose(lease: Any) -> str:
     """Who put `lease`'s bytes there, for a refusal: "published by uid N" or "loaded from a path
     uid N gave" (`accepted_publisher` judges that uid)."""
     if lease.origin == "load" and lease.asked_by is not None:
