@@ -178,7 +178,7 @@ class HostMapping:
         _check_size(fd, size)
         addr = _libc().mmap(ctypes.c_void_p(self.addr), size, mmap.PROT_READ | mmap.PROT_WRITE,
                             mmap.MAP_PRIVATE | _MAP_FIXED, fd, 0)
-        if addr != self.addr:  # MAP_FIXED either replaces the whole range or leaves it as it was
+        if addr != self.addr:  # Linux checks the file and the range before it unmaps anything
             raise BadRequest(f"cannot map the new arena in place: {os.strerror(ctypes.get_errno())}")
 
     def close(self) -> None:

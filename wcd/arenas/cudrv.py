@@ -256,7 +256,8 @@ class Driver:
     def remap(self, ptr: int, size: int, old: int, new: int, gpu: Gpu, writable: bool) -> None:
         """Put allocation `new` behind the range at `ptr` in place of `old` (same addresses: kernels
         and captured graphs read the new bytes). The caller has synchronized. If `new` cannot be
-        mapped, `old` is mapped back and the error raised: the range never stays half-changed."""
+        mapped, `old` is mapped back and the error raised; should that fail too (a driver in trouble),
+        its error is raised and the range is left unmapped."""
         access = _AccessDesc(_Location(LOCATION_TYPE_DEVICE, gpu.ordinal), PROT_READWRITE if writable else PROT_READ)
         self._call("cuMemUnmap", "cuMemUnmap", ptr, size)
         try:
