@@ -131,8 +131,8 @@ def header_from(file: Path, raw: bytes, data_start: int, file_size: int, columns
 
 
 # Headers past two pieces are parsed a piece at a time (`_decode_in_pieces`): from_json holds the GIL
-# for the whole of what it is given, 50-120 ms for one shard's 2.5 MB of 25,000 entries on the VM:
-# the loop's every connection would wait that long behind a load.
+# for the whole of what it is given (tens of ms for a shard of 25,000 entries): the loop's every
+# connection would wait that long behind a load.
 PARSE_PIECE_BYTES = 128 << 10
 
 

@@ -702,6 +702,13 @@ def _wait_parked(harness: FakeSystemd, count: int) -> None:
     assert _parked_arenas(harness) == count, sorted(harness.store)
 
 
+def _wait_checked(client: Client) -> None:
+    """Until no entry is loading: the re-adopted ones are checked after READY."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(e["state"] == "loading" for e in client.list()):
+        time.sleep(0.05)
+
+
 def test_every_live_generation_survives_a_restart_and_a_rollback_stays_rolled_back(fake_systemd, tmp_path):
     """Issue 31: the fd store keeps every live generation; after a restart the newest is current
     and followers get its bytes, with no publish; a rollback before a restart is still in force
@@ -717,9 +724,7 @@ def test_every_live_generation_survives_a_restart_and_a_rollback_stays_rolled_ba
 
     fake_systemd.start(cfg)
     with Client(fake_systemd.sock_path) as c:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and [e["state"] for e in c.list()].count("loading"):
-            time.sleep(0.05)
+        _wait_checked(c)
         states = {e["name"]: (e["state"], e.get("current")) for e in c.list()}
         assert states == {"s@1": ("previous", False), "s@2": ("previous", False), "s@3": ("ready", True)}, states
         with c.follow("s") as f:
@@ -734,9 +739,7 @@ def test_every_live_generation_survives_a_restart_and_a_rollback_stays_rolled_ba
 
     fake_systemd.start(cfg)
     with Client(fake_systemd.sock_path) as c:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and [e["state"] for e in c.list()].count("loading"):
-            time.sleep(0.05)
+        _wait_checked(c)
         with c.follow("s") as f:
             assert f.generation == 2 and same(f.tensors["w"], gen[2]["w"]), "still rolled back"
         assert c.publish_generation("s", gen[1]) == 3, "numbering goes on from the newest kept generation"

@@ -341,7 +341,7 @@ class Staging:
         `prepared`: the hold of a `prepare`, whose load is about to take over what it set up.
 
         With no linger the release runs on a thread of its own, so the answer does not wait for
-        it: unpinning the lanes and releasing the context took 0.13-0.18 s on the H200, and the
+        it: unpinning the lanes and releasing the context takes a tenth of a second or more, and the
         load is whole without it (its copies finished before this). A GPU in exclusive-process
         mode is released before this returns: the engine told of the load creates its context there
         next. So is any GPU when no thread can be started."""
