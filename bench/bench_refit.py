@@ -103,20 +103,27 @@ def start_daemon(root: Path, device: str) -> tuple[subprocess.Popen[bytes], Path
     return proc, sock
 
 
-def publish(client: Any, layout: list[tuple[str, tuple[int, ...]]], tensors: dict[str, Any], device: str,
+def publish(client: Any, layout: list[tuple[str, tuple[int, ...]]], tensors: dict[str, Any] | float, device: str,
             ) -> tuple[float, float]:
-    """(reserve + copy + commit seconds, the time the commit was sent)."""
+    """(reserve + copy + commit seconds, the time the commit was sent). A float for `tensors` fills
+    the new arena with that value instead of copying (`--source arena`: sizes where the trainer's
+    own copy does not fit beside two generations)."""
     import torch
 
     from wcd.follower import device_of
     from wcd.key import WeightCacheKey
 
     started = time.monotonic()
-    fill = client.reserve(WeightCacheKey(model=SERIES, transform="generations", device=device_of(tensors)),
+    probe = {"": torch.empty(1, device=device)} if isinstance(tensors, float) else tensors
+    where = device_of(probe)
+    fill = client.reserve(WeightCacheKey(model=SERIES, transform="generations", device=where),
                           {n: (torch.bfloat16, s) for n, s in layout}, series=SERIES)
     views = fill.tensors
-    for n, t in tensors.items():
-        views[n].copy_(t, non_blocking=True)
+    for n in views:
+        if isinstance(tensors, float):
+            views[n].fill_(tensors)
+        else:
+            views[n].copy_(tensors[n], non_blocking=True)
     sync(device)
     del views
     committing = time.monotonic()
@@ -135,7 +142,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         client = Client(sock)
         layout = shapes(args.gb, args.tensors)
-        out["publish_1_s"], _ = publish(client, layout, make(layout, 1.0, args.device), args.device)
+        source = (lambda value: value) if args.source == "arena" else (lambda value: make(layout, value, args.device))
+        out["source"] = args.source
+        out["publish_1_s"], _ = publish(client, layout, source(1.0), args.device)
         for mode in args.modes.split(","):
             procs = [subprocess.Popen([sys.executable, __file__, "--engine", "--socket", str(sock), "--mode",
                                        "copy" if mode == "copy" else "place", "--device", args.device,
@@ -155,7 +164,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     p.stdin.write(f"follow {target}\n")  # type: ignore[union-attr]
                     p.stdin.flush()  # type: ignore[union-attr]
                 if label == "update":
-                    tensors = make(layout, float(target), args.device)
+                    tensors = source(float(target))
                     publish_s, committed = publish(client, layout, tensors, args.device)
                     del tensors
                     out[f"publish_s_{mode}"] = publish_s
@@ -172,7 +181,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 p.stdin.write("quit\n")  # type: ignore[union-attr]
                 p.stdin.flush()  # type: ignore[union-attr]
                 p.wait(timeout=60)
-        if args.device.startswith("cuda") and "copy" in args.modes:
+        if args.device.startswith("cuda") and "copy" in args.modes and args.source == "tensors":
             out["ipc_s"] = ipc(layout, make(layout, 2.0, args.device), args)
         client.close()
         try:
@@ -254,6 +263,9 @@ def main() -> None:
     parser.add_argument("--engines", type=int, default=4)
     parser.add_argument("--modes", default="in_place,copy",
                         help="in_place, copy or both (copy-in engines each hold a copy: large sizes fit in place only)")
+    parser.add_argument("--source", choices=("tensors", "arena"), default="tensors",
+                        help="tensors: the trainer copies its own tensors in (the publish a trainer pays); arena: it "
+                        "fills the new arena in place (64 GB on one H200: no room for the trainer's copy)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--engine", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--socket", help=argparse.SUPPRESS)

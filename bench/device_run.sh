@@ -9,6 +9,8 @@
 #   bash bench/device_run.sh restart   bench_restart: exec -> READY with 0.1 GB / 200 and 1.6 GB / 100k kept,
 #                                      on cuda:0 and on the host
 #   bash bench/device_run.sh admit     bench_admit at 1.6 GB / 1k and 100k tensors, 8 header helpers
+#   bash bench/device_run.sh refit     bench_refit: 16 GB / 1k tensors, 4 engines (in place, copy-in, ipc, floor),
+#                                      then 64 GB in place (`--source arena`: no room for the trainer's copy)
 #   bash bench/device_run.sh all       tests, restart, admit, attach (1k, 100k) and load (wcd and fastsafetensors),
 #                                      fewer rounds: all in one call
 # Arguments after the run's name go to its benchmarks (`load --variant default,buffered`).
@@ -78,11 +80,19 @@ admit() {  # [timeout]
     --json "$OUT/admit.json" ${EXTRA[@]+"${EXTRA[@]}"}
 }
 
+refit() {  # [timeout]
+  local t=${1:-300}
+  timeout -s INT "$((t / 2))" python3 bench/bench_refit.py --device "$DEV" --gb 16 --tensors 1000 --engines 4 --json \
+    ${EXTRA[@]+"${EXTRA[@]}"} | tee "$OUT/refit-16.json"
+  timeout -s INT "$((t / 2))" python3 bench/bench_refit.py --device "$DEV" --gb 64 --tensors 1000 --engines 4 \
+    --modes in_place --source arena --json ${EXTRA[@]+"${EXTRA[@]}"} | tee "$OUT/refit-64.json"
+}
+
 run=${1:-tests}; shift || true
 EXTRA=("$@")
 case "$run" in
   wheels) wheels ;;
-  tests|attach|load|restart|admit) wheels; "$run" ;;
+  tests|attach|load|restart|admit|refit) wheels; "$run" ;;
   all)
     wheels
     tests 120
@@ -90,5 +100,5 @@ case "$run" in
     admit 60
     attach 130 1000,100000 16000,1600 2
     load 170 3 wcd,fastsafetensors ;;
-  *) echo "unknown run $run; one of: wheels tests attach load restart admit all"; exit 2 ;;
+  *) echo "unknown run $run; one of: wheels tests attach load restart admit refit all"; exit 2 ;;
 esac
