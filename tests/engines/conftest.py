@@ -282,6 +282,16 @@ class ApiServer:
         except urllib.error.HTTPError as e:
             raise AssertionError(f"POST {path}: {e.code} {e.read()[:2000]!r}\n{self.log()[-3000:]}") from None
 
+    def refused(self, path: str, body: dict[str, Any] | None = None) -> tuple[int, str]:
+        """POST what the server must refuse: its HTTP status and body."""
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=json.dumps(body or {}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=300) as r:
+                raise AssertionError(f"POST {path} answered {r.status}: {r.read()[:2000]!r}")
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode(errors="replace")
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
@@ -379,5 +389,14 @@ def minilm() -> Path:
 def smollm2() -> Path:
     try:
         return _models().smollm2_dir()
+    except FileNotFoundError as e:
+        pytest.skip(f"{e} (run tests/engines/setup-venv.sh)")
+
+
+@pytest.fixture(scope="session")
+def smollm2_even_heads() -> Path:
+    """SmolLM2 padded to 12 heads / 4 KV heads with zero heads, for TP=2 (see models.py)."""
+    try:
+        return _models().smollm2_even_heads_dir()
     except FileNotFoundError as e:
         pytest.skip(f"{e} (run tests/engines/setup-venv.sh)")

