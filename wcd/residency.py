@@ -29,7 +29,7 @@ from typing import Any
 
 from wcd import adoption, parking
 from wcd.arenas import Arena, ArenaBackend, backend_for, loaded_backends, released_held
-from wcd.cache import Entry, LeaseRecord, Origin, describe_expired
+from wcd.cache import Entry, LeaseRecord, Origin
 from wcd.checkpoint import Checkpoint, Shards
 from wcd.config import ModelConfig
 from wcd.devices import Devices
@@ -37,6 +37,7 @@ from wcd.errors import BadRequest, Busy, LoadFailed, NotFound, WcdError
 from wcd.header_helpers import HeaderHelpers
 from wcd.header_helpers import default_count as default_helpers
 from wcd.key import WeightCacheKey, first_fingerprint
+from wcd.leasebook import describe_expired
 from wcd.life import Life, life
 from wcd.loader import Cancelled, content_digest, default_workers, fill_arena
 from wcd.manifest import Manifest
@@ -295,7 +296,7 @@ class Residency:
                       admin: bool = False) -> LeaseRecord:
         """Admit a published entry (carrying `uid`; with `series`, its next generation) and allocate
         its empty arena: the fill lease, whose TTL starts when the caller hands it out
-        (`Cache.handed_out`)."""
+        (`LeaseBook.handed_out`)."""
         backend = backend_for(key.device)
         entry, lease, victims = self.cache.reserve(
             name, key, manifest, backend.arena_size(manifest.size, key.device), retention, owner, pid, uid,

@@ -210,11 +210,11 @@ class Server:
         self.state.config = new
         self._allowed_gids = new.daemon.allowed_gids()
         self.refusals.forget()
-        cache.lease_ttl_s = new.daemon.lease_ttl_s
+        cache.lease_book.ttl_s = new.daemon.lease_ttl_s
         cache.max_entries = new.daemon.max_entries
         cache.keep_generations = new.daemon.keep_generations
         cache.max_entries_per_uid = new.daemon.max_entries_per_uid
-        cache.max_leases_per_uid = new.daemon.max_leases_per_uid
+        cache.lease_book.max_per_uid = new.daemon.max_leases_per_uid
         self.quotas.limits = self._limits(new)
         for model in fresh.values():
             if model.name not in cache.entries:
@@ -341,7 +341,7 @@ class Server:
                     conn.fail(ProtocolError(f"a request still not whole {daemon.frame_timeout_s:g} s after its first "
                                             "byte (frame_timeout_s): send each request whole"))
                 elif (now - conn.last_active > daemon.idle_timeout_s and not conn.tasks
-                      and not self.state.cache.leases_of(conn)):
+                      and not self.state.cache.lease_book.count_of(conn)):
                     # Quietly: the client library reconnects on its next request.
                     log.info("%r: idle for %g s without leases (idle_timeout_s); closing it", conn,
                              daemon.idle_timeout_s)

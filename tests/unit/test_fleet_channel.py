@@ -142,3 +142,14 @@ def test_without_fleet_a_missing_checkpoint_is_still_refused(tmp_path: Path) -> 
     cfg.write_text(f'[[models]]\nname = "m"\npath = "{tmp_path}/absent"\n')
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(cfg)
+
+
+def test_the_daemon_imports_nothing_of_the_fleet_unless_configured() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, wcd.server, wcd.cli.wcd, wcd.residency\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('wcd.fleet', 'nixl'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert out.stdout.strip() == "[]"

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from wcd.arenas import Arena
-from wcd.cache import Entry
 from wcd.config import FleetConfig, parse_host_port
+from wcd.entry import Entry
 from wcd.errors import BadRequest, LoadFailed, WcdError
 from wcd.fleet.channel import Channel, ChannelError, accept, connect
 from wcd.fleet.helpers import Helper, HelperFailed
