@@ -59,6 +59,8 @@ class Entry:
     previous: str = ""  # when and why the last entry of this name went, if one did (`note_reclaimed`)
     acquires: int = 0
     notes: list[str] = field(default_factory=list)  # shown in status, e.g. "checkpoint missing"
+    source: str = ""  # where its bytes came from ("disk", "peer HOST:PORT"), and at what rate (bytes/s)
+    fill_rate: float = 0.0
     publisher: int | None = None  # uid whose bytes these are: the daemon's for its loads
     # The uid whose `load` of a path made the entry (an admin's, perhaps not the daemon's): its bytes
     # are what that uid pointed the daemon at. None for configured models and publishes.
@@ -99,6 +101,7 @@ class Entry:
             "idle_s": round(idle_s, 3),
             "key": self.key.model_dump(),
             "previous": self.previous,
+            **({"source": self.source, "fill_rate": round(self.fill_rate)} if self.source else {}),
             **({"series": self.series.name, "generation": self.generation,
                 "current": self.series.current == self.generation} if self.series is not None else {}),
         }

@@ -125,7 +125,8 @@ def status(ctx: Context, conn: Connection, req: protocol.Status) -> None:
         devices=devices, entries=entries, leases=len(cache.leases), connections=len(state.connections),
         loading=[e["name"] for e in entries if e["state"] == "loading"],
         failed=[e["name"] for e in entries if e["state"] == "failed"], counters=dict(cache.stats),
-        series=_series(ctx)))
+        series=_series(ctx),
+        **({"fleet": ctx.residency.fleet.describe()} if ctx.residency.fleet is not None else {})))
 
 
 def list_entries(ctx: Context, conn: Connection, req: protocol.ListEntries) -> None:

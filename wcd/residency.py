@@ -41,6 +41,7 @@ from wcd.key import WeightCacheKey, first_fingerprint
 from wcd.leasebook import describe_expired
 from wcd.life import Life, life
 from wcd.loader import Cancelled, content_digest, default_workers, fill_arena
+from wcd.manifest import Manifest
 from wcd.metrics import Metrics
 from wcd.offloop import both, free_later, produced, using
 from wcd.publishes import Publishes
@@ -79,6 +80,7 @@ class Residency(Adopting, Publishes):
         self.helpers = HeaderHelpers(default_helpers() if helpers is None else helpers)
         self._parse_with = self.helpers if self.helpers.count else None  # Checkpoint.open's `helpers`
         self._verifier = Verifier(self._digest_pool, self._parse_with)
+        self.fleet: Any = None  # `wcd.fleet.service.Fleet` when the config has [fleet]: peers before the disk
 
     def sized_at_start(self) -> dict[str, int]:
         """The config fields fixed when the daemon started, and their values in force."""
@@ -142,6 +144,11 @@ class Residency(Adopting, Publishes):
         canonical = self.canonical_device(device)
         self.devices.prepare(canonical)
         started = time.monotonic()
+        if self.fleet is not None and not path.exists():  # a peer may hold it: its key and layout, then its bytes
+            fields, manifest, peer = await self.fleet.describe_remote(name, str(path))
+            key = WeightCacheKey.model_validate({**fields, "device": canonical})
+            log.info("admitting %s: not on this host; key and layout from peer %s", name, peer)
+            return self._admitted(name, key, manifest, retention, origin, replacing, None)
         shards = await produced(lambda: Shards.open(path, follow_links))
         try:
             # The fingerprint hashes and reads with the GIL released (10 MB of headers at 100,000
@@ -160,13 +167,17 @@ class Residency(Adopting, Publishes):
                      len(ckpt.fds), opened - started, f" ({ckpt.helped} by helpers)" if ckpt.helped else "",
                      time.monotonic() - opened)
             key = WeightCacheKey(model=name, path=str(ckpt.path), fingerprint=fingerprinted[0], device=canonical)
-            nbytes = backend_for(canonical).arena_size(manifest.size, canonical)
-            if replacing is not None:
-                self.reclaim(self.cache.load_failed(replacing), "replaced by its model as configured now")
-            entry, victims = self.cache.admit(name, key, manifest, nbytes, retention, origin, publisher=os.getuid())
+            return self._admitted(name, key, manifest, retention, origin, replacing, ckpt)
         except BaseException:
             ckpt.close()
             raise
+
+    def _admitted(self, name: str, key: WeightCacheKey, manifest: Manifest, retention: Retention, origin: Origin,
+                  replacing: Entry | None, ckpt: Checkpoint | None) -> Entry:
+        nbytes = backend_for(key.device).arena_size(manifest.size, key.device)
+        if replacing is not None:
+            self.reclaim(self.cache.load_failed(replacing), "replaced by its model as configured now")
+        entry, victims = self.cache.admit(name, key, manifest, nbytes, retention, origin, publisher=os.getuid())
         self.reclaim(victims, f"least recently used, to make room for {name} ({format_size(nbytes)})")
         entry.life = Life(checkpoint=ckpt)
         return entry
@@ -180,7 +191,7 @@ class Residency(Adopting, Publishes):
         ckpt = life(entry).start_fill()
         manifest = entry.manifest
         log.info("loading %s: %s in %d tensors from %s to %s", entry.name, format_size(manifest.nbytes),
-                 len(manifest), ckpt.path, entry.device)
+                 len(manifest), entry.key.path, entry.device)
         started = time.monotonic()
         workers = self.state.config.daemon.load_workers or default_workers()
         entry.load_phase = "allocating"
@@ -189,19 +200,29 @@ class Residency(Adopting, Publishes):
         def fill(arena: Arena) -> None:
             # The plan walks every tensor (a while for 10^5): in the worker, not on the loop. Cold
             # files are read ahead while the writer is made.
+            assert ckpt is not None
             fill_arena(arena, ckpt, manifest, _EntryProgress(entry),
                        lambda: entry.state == "evicting", workers, entry.key.fingerprint, reads_ahead=True)
             arena.seal()
 
+        def create() -> Any:
+            return self._create(backend_for(entry.device), entry.device, entry.nbytes, entry.name)
+
         try:
-            entry.arena = await self._create(backend_for(entry.device), entry.device, entry.nbytes, entry.name)
+            entry.arena = await create()
             allocated = entry.reading_since = time.monotonic()
             entry.load_phase = "reading"
-            await using(self._fill_pool, entry.arena, fill)
+            # With a fleet, a peer that holds the same key fills it (checked, sealed) before the disk.
+            if self.fleet is None or not await self.fleet.fill(entry, create):
+                if ckpt is None:
+                    raise LoadFailed(f"no peer could fill {entry.name} and its checkpoint is not on this host")
+                entry.source = "disk"
+                await using(self._fill_pool, entry.arena, fill)
         except BaseException as e:
             reporter.cancel()
             entry.load_phase = ""
-            ckpt.close()
+            if ckpt is not None:
+                ckpt.close()
             if not isinstance(e, Exception):  # cancelled (shutdown)
                 self.reclaim(self.cache.load_failed(entry), "its load was cancelled (shutdown)")
                 raise
@@ -220,9 +241,12 @@ class Residency(Adopting, Publishes):
             raise error from e
         reporter.cancel()
         entry.load_phase = ""
-        ckpt.close()
-        _free_headers(ckpt)
+        if ckpt is not None:
+            ckpt.close()
+            _free_headers(ckpt)
         seconds = time.monotonic() - started
+        if entry.source == "disk":
+            entry.fill_rate = manifest.nbytes / max(seconds, 1e-9)
         self._metrics.loaded(entry.device, manifest.nbytes, seconds)
         log.info("loaded %s in %.2f s (%.2f GB/s; allocating %.3f s, copying %.3f s)", entry.name, seconds,
                  manifest.nbytes / max(seconds, 1e-9) / 1e9, allocated - started, seconds - (allocated - started))
@@ -302,6 +326,8 @@ class Residency(Adopting, Publishes):
         name that comes next): end their lives (memory returns once clients unmap)."""
         for entry in entries:
             self.cache.note_reclaimed(entry.name, why)
+            if self.fleet is not None:
+                self.fleet.forget(entry)
             record = life(entry)
             if record.superseded:  # a reload changed its model while it was leased: load that now
                 record.superseded = False

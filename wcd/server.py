@@ -102,6 +102,11 @@ class Server:
         metrics = Metrics(self.state)
         self.residency = Residency(self.state, metrics, self._spawn)
         self._ops = ops.Context(self.state, self.residency, metrics)
+        if config.fleet is not None:  # only then: nothing of the fleet is imported otherwise
+            from wcd.fleet.service import Fleet
+
+            self.residency.fleet = Fleet(config.fleet, self.residency)
+            await self.residency.fleet.start()
         for sig, handler in ((signal.SIGTERM, self.stop), (signal.SIGINT, self.stop),
                              (signal.SIGHUP, lambda: self._spawn(self.reload()))):
             loop.add_signal_handler(sig, handler)
@@ -159,6 +164,8 @@ class Server:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self.residency.fleet is not None:
+            await self.residency.fleet.close()
         kept = await self.residency.close()
         log.info("stopped%s", f"; {kept} entries stay parked in systemd's fd store" if kept else "")
         self.notifier.close()

@@ -22,7 +22,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("daemon", ("wcd.config", "wcd.series", "wcd.entry", "wcd.leasebook", "wcd.cache", "wcd.protocol",
                 "wcd.connection", "wcd.state", "wcd.metrics", "wcd.metrics_http", "wcd.parking", "wcd.shutdown",
                 "wcd.publishes", "wcd.residency", "wcd.life", "wcd.adoption", "wcd.verifying", "wcd.watch",
-                "wcd.devices", "wcd.refusals", "wcd.socketpath", "wcd.ops", "wcd.server")),
+                "wcd.devices", "wcd.refusals", "wcd.socketpath", "wcd.ops", "wcd.server", "wcd.fleet", "wcd.fleet.*")),
     ("clients", ("wcd.views", "wcd.replies", "wcd.lease", "wcd.publishing", "wcd.client", "wcd.follower",
                  "wcd.demo", "wcd.integrations", "wcd.integrations.*")),
     ("commands", ("wcd.cli", "wcd.cli.*", "wcd.__main__")),
