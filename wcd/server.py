@@ -35,7 +35,8 @@ from wcd.metrics import Metrics
 from wcd.metrics_http import MetricsHttp
 from wcd.peers import peer_gids
 from wcd.refusals import Refusals
-from wcd.residency import RELEASE_WAIT_S, Residency, ended
+from wcd.residency import Residency, ended
+from wcd.shutdown import RELEASE_WAIT_S
 from wcd.state import ServerState
 from wcd.units import counted, describe_progress, format_size
 
