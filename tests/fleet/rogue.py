@@ -20,6 +20,7 @@ async def main() -> None:
     os.write(fd, os.urandom(size))
     helper = Helper("export", {k: v for k, v in os.environ.items() if k.startswith("UCX_")})
     reply = await asyncio.to_thread(helper.call, {"op": "export", "id": 1, "size": size}, [fd])
+    await asyncio.to_thread(helper.call, {"op": "serve", "id": 1, "deadline_s": 600})
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:

@@ -215,3 +215,37 @@ def test_a_peer_without_the_secret_gets_nothing(fleet: Any, ckpt: Any, tmp_path:
         assert c.status()["fleet"]["refused_peers"] >= 1
     assert "does not know the fleet's shared secret" in a.log.read_text()
     assert "did not prove the fleet's shared secret" in b.log.read_text() or "cannot be asked" in b.log.read_text()
+
+
+FLOOD = r"""
+import socket, struct, sys, time
+host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+socks = []
+for i in range(n):
+    s = socket.create_connection((host, port), timeout=10)
+    # half announce a huge frame, half a bad proof: nobody without the secret gets past the handshake
+    s.sendall(struct.pack(">I", 1 << 30) if i % 2 else struct.pack(">I", 40) + bytes(40))
+    socks.append(s)
+time.sleep(1)
+print(sum(1 for s in socks if s.recv(1 << 16, socket.MSG_DONTWAIT | socket.MSG_PEEK) is not None), flush=True)
+"""
+
+
+def test_a_flood_of_peers_without_the_secret_leaves_the_daemon_answering(fleet: Any, net: Any, ckpt: Any) -> None:
+    from tests.integration.pings import assert_fast, pinging
+
+    path, tensors = ckpt
+    a = fleet(0, model("m", path), extra="max_connections = 64\nconnect_timeout_s = 2\n")
+    wait_ready(a, "m")
+    with pinging(a) as pings:
+        flood = subprocess.run([*net.prefix_cmd(1), sys.executable, "-c", FLOOD, net.address(0, towards=1), str(PORT),
+                                "1000"], capture_output=True, text=True, timeout=120)
+    assert flood.returncode == 0, flood.stderr[-2000:]
+    assert_fast(pings)
+    with a.client() as c:
+        status = c.status()["fleet"]
+    assert status["refused_peers"] >= 1 and status["served"] == 0  # no bytes to anyone without the secret
+    # Once the flood is gone, a peer with the secret is served as before.
+    time.sleep(2.5)
+    b = fleet(1, model("m", path), peers=(0,), offer=False)
+    check_whole(b, tensors, "peer")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import select
 import socket
 import sys
 import time
@@ -26,8 +27,8 @@ from typing import Any
 import msgpack
 
 MAX_MESSAGE = 1 << 20
-POLL_S = 0.0005  # between checks of a transfer's state; the progress thread moves the bytes
-PROGRESS_DELAY_US = 100  # NIXL's progress thread sleeps this long when idle (0 spins a core)
+PIECES = 32  # descriptors a read is cut into (one registration): UCX keeps several in flight
+MIN_PIECE = 1 << 20
 
 
 def _nixl() -> Any:
@@ -40,26 +41,12 @@ def _nixl() -> Any:
 
 
 def make_agent(name: str) -> Any:
-    """A NIXL agent with the UCX backend, its progress thread idling at PROGRESS_DELAY_US rather
-    than spinning (the Python wrapper sets 0: its config's field is clamped here)."""
+    """A NIXL agent with the UCX backend and no progress thread: the helper moves the bytes itself
+    while a transfer is on (`serve`, `fetch`) and sleeps in a read of its socket otherwise. NIXL's
+    thread either spins a core while idle or, sleeping between passes, slows the transfer several
+    times over on a busy host (bench/RESULTS.md)."""
     nixl = _nixl()
-    api = sys.modules[nixl.__name__ + "._api"]
-    base = api.nixlBind.nixlAgentConfig
-
-    class Config(base):  # type: ignore[misc, valid-type]
-        @property
-        def pthrDelay(self) -> int:  # noqa: N802 - NIXL's field
-            return int(base.pthrDelay.__get__(self))
-
-        @pthrDelay.setter
-        def pthrDelay(self, value: int) -> None:  # noqa: N802
-            base.pthrDelay.__set__(self, max(int(value), PROGRESS_DELAY_US))
-
-    api.nixlBind.nixlAgentConfig = Config
-    try:
-        return nixl.nixl_agent(name, nixl.nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
-    finally:
-        api.nixlBind.nixlAgentConfig = base
+    return nixl.nixl_agent(name, nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
 
 
 def _address(region: mmap.mmap) -> tuple[Any, int]:
@@ -73,6 +60,7 @@ class Exporter:
     def __init__(self, agent: Any) -> None:
         self.agent = agent
         self.regions: dict[int, tuple[mmap.mmap, Any, Any, int]] = {}
+        self.serving: dict[int, float] = {}  # transfers peers make now -> when to stop serving them anyway
 
     def export(self, req: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         xid, size = int(req["id"]), int(req["size"])
@@ -87,6 +75,26 @@ class Exporter:
         # The metadata a peer needs names the registrations made so far: sent with each export.
         return {"addr": addr, "register_s": registered, "md": self.agent.get_agent_metadata()}
 
+    def serve(self, req: dict[str, Any]) -> dict[str, Any]:
+        """A peer reads now: make progress until `end` (or `deadline_s`, should the daemon not say)."""
+        self.serving[int(req["id"])] = time.monotonic() + float(req["deadline_s"])
+        return {}
+
+    def end(self, req: dict[str, Any]) -> dict[str, Any]:
+        self.serving.pop(int(req["id"]), None)
+        return {}
+
+    def idle(self, sock: socket.socket) -> None:
+        """Make progress for the peers reading now until a request comes; return at once if none reads."""
+        while self.serving:
+            now = time.monotonic()
+            for xid in [x for x, deadline in self.serving.items() if deadline < now]:
+                del self.serving[xid]
+            ready, _, _ = select.select([sock], [], [], 0)
+            if ready:
+                return
+            self.agent.get_new_notifs()  # a progress pass of the UCX worker: serves their reads
+
     def unexport(self, req: dict[str, Any]) -> dict[str, Any]:
         got = self.regions.pop(int(req["id"]), None)
         if got is not None:
@@ -95,6 +103,11 @@ class Exporter:
             del view
             region.close()
         return {}
+
+
+def _pieces(size: int) -> list[tuple[int, int]]:
+    per = max(MIN_PIECE, -(-size // PIECES))
+    return [(at, min(per, size - at)) for at in range(0, size, per)]
 
 
 def fetch(agent: Any, req: dict[str, Any], fds: list[int]) -> dict[str, Any]:
@@ -106,8 +119,9 @@ def fetch(agent: Any, req: dict[str, Any], fds: list[int]) -> dict[str, Any]:
     try:
         reg = agent.register_memory([(addr, size, 0, "")], "DRAM")
         remote = agent.add_remote_agent(bytes(req["md"]))
-        local = agent.get_xfer_descs([(addr, size, 0)], "DRAM")
-        theirs = agent.get_xfer_descs([(int(req["addr"]), size, 0)], "DRAM")
+        pieces = _pieces(size)
+        local = agent.get_xfer_descs([(addr + at, n, 0) for at, n in pieces], "DRAM")
+        theirs = agent.get_xfer_descs([(int(req["addr"]) + at, n, 0) for at, n in pieces], "DRAM")
         started = time.perf_counter()
         handle = agent.initialize_xfer("READ", local, theirs, remote)
         state = agent.transfer(handle)
@@ -116,8 +130,7 @@ def fetch(agent: Any, req: dict[str, Any], fds: list[int]) -> dict[str, Any]:
                 return {"error": "the daemon went away"}
             if time.monotonic() > deadline:
                 return {"error": f"the transfer did not end within {float(req['deadline_s']):g} s"}
-            time.sleep(POLL_S)
-            state = agent.check_xfer_state(handle)
+            state = agent.check_xfer_state(handle)  # also what moves the bytes: no progress thread
         if state != "DONE":
             return {"error": "the transfer failed (the peer went away, or refused the read)"}
         return {"seconds": time.perf_counter() - started}
@@ -143,6 +156,8 @@ def serve(role: str, sock: socket.socket) -> None:
     exporter = Exporter(agent) if role == "export" else None
     sock.send(msgpack.packb({"pid": os.getpid()}))
     while True:
+        if exporter is not None:
+            exporter.idle(sock)
         data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 4)
         if not data:
             return
@@ -153,6 +168,8 @@ def serve(role: str, sock: socket.socket) -> None:
                 reply = exporter.export(req, fds)
             elif exporter is not None and op == "unexport":
                 reply = exporter.unexport(req)
+            elif exporter is not None and op in ("serve", "end"):
+                reply = exporter.serve(req) if op == "serve" else exporter.end(req)
             elif exporter is None and op == "fetch":
                 reply = fetch(agent, req, fds)
             else:

@@ -69,6 +69,10 @@ def _want_fields(key: WeightCacheKey, with_fingerprint: bool = True) -> dict[str
     return out
 
 
+def _ensure(helper: Helper) -> Callable[[dict[str, Any]], Any]:
+    return lambda _: helper.ensure()
+
+
 class Fleet:
     def __init__(self, config: FleetConfig, residency: Residency) -> None:
         self.config = config
@@ -85,12 +89,15 @@ class Fleet:
         self._connections: set[asyncio.StreamWriter] = set()
         self._peers: dict[str, Channel] = {}
         self._refused_logged: dict[str, float] = {}
+        self._tasks: set[asyncio.Future[Any]] = set()
         self.stats = {"served": 0, "served_bytes": 0, "refused_peers": 0, "fills": 0, "fill_failures": 0,
                       "wrong_bytes": 0}
 
     async def start(self) -> None:
         host, port = parse_host_port(self.config.listen)
         self._server = await asyncio.start_server(self._serve, host, port, reuse_address=True)
+        for helper in (self.exporter, self.fetcher):  # started now (importing NIXL), not on a first request
+            self._background(_ensure(helper), {})
         log.info("fleet: listening on %s for peers; %d peer%s to fill from", self.config.listen,
                  len(self.config.peers), "" if len(self.config.peers) == 1 else "s")
 
@@ -192,6 +199,12 @@ class Fleet:
         except (WcdError, OSError) as e:
             self._release(holds, xfer)
             return {"ok": False, "error": getattr(e, "message", str(e))}
+        try:
+            await asyncio.to_thread(self.exporter.call, {"op": "serve", "id": xfer,
+                                                         "deadline_s": self.config.fetch_timeout_s})
+        except WcdError as e:
+            self._release(holds, xfer)
+            return {"ok": False, "error": e.message}
         self.stats["served"] += 1
         self.stats["served_bytes"] += size
         return {"ok": True, "xfer": xfer, "md": export.metadata, "addr": export.addr, "size": size,
@@ -220,6 +233,7 @@ class Fleet:
         if held is None:
             return
         entry, holder, lease_id = held
+        self._background(self.exporter.call, {"op": "end", "id": xfer})
         self._sending[entry.device] -= entry.arena.size if entry.arena is not None else entry.nbytes
         dropped = self.cache.release(holder, lease_id)
         self.residency.reclaim(dropped, "its last lease ended (a peer's read of it)")
@@ -228,9 +242,19 @@ class Fleet:
         """The entry is gone: its registration too (its memory returns once the helper unmaps it)."""
         export = self._exports.pop(entry, None)
         if export is not None and export.generation == self.exporter.generation:
-            request = {"op": "unexport", "id": export.xid}
-            task = asyncio.ensure_future(asyncio.to_thread(self.exporter.call, request))
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            self._background(self.exporter.call, {"op": "unexport", "id": export.xid})
+
+    def _background(self, call: Callable[[dict[str, Any]], Any], request: dict[str, Any]) -> None:
+        """A helper call nobody waits for (its failure: the helper is killed and restarted anyway)."""
+        task = asyncio.ensure_future(asyncio.to_thread(call, request))
+        self._tasks.add(task)
+
+        def done(t: asyncio.Future[Any]) -> None:
+            self._tasks.discard(t)
+            if not t.cancelled():
+                t.exception()  # retrieved: a failed call was the helper's, said where it failed
+
+        task.add_done_callback(done)
 
     # -- filling from peers -----------------------------------------------------------------
 
