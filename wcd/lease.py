@@ -25,7 +25,7 @@ class Holder(Protocol):
 
     def _forget(self, lease: Lease) -> None: ...
 
-    def _end_lease(self, lease: Lease, op: str) -> None: ...
+    def _end_lease(self, lease: Lease, op: str, wait: bool = True) -> None: ...
 
     def close(self) -> None: ...
 
@@ -93,7 +93,9 @@ class Lease:
             raise WcdError(f"lease {self.id} on {self.entry} is released: its views are gone")
         return self._mapped.tensors
 
-    def release(self) -> None:
+    def release(self, wait: bool = True) -> None:
+        """End the lease. `wait=False`: without waiting for the daemon's answer (it ends the lease
+        before anything this connection sends next)."""
         if self.released:
             return
         self.released = True
@@ -101,7 +103,7 @@ class Lease:
             self._mapped.close()
             self._mapped = None
         self._close_fd()
-        self.client._end_lease(self, "release")
+        self.client._end_lease(self, "release", wait)
 
     def _close_fd(self) -> None:
         if self._arena_fd is not None:
@@ -175,7 +177,7 @@ class FillLease(Lease):
             self.released = True
             self.client._end_lease(self, "abort")
 
-    def release(self) -> None:
+    def release(self, wait: bool = True) -> None:
         self.abort()
 
     def __exit__(self, *exc: object) -> None:

@@ -73,10 +73,15 @@ def test_a_follower_moves_to_each_generation_in_place_and_back_on_rollback(make_
 
     assert trainer.publish_generation("policy", weights(2)) == 2
     assert follower.poll(timeout=10) == 2  # told over its own connection
+    waited: list[str] = []
+    plain = engine.request_fds
+    engine.request_fds = lambda op, **kw: (waited.append(op), plain(op, **kw))[1]
     assert follower.update() is True and follower.generation == 2
+    assert waited == ["acquire"], "one round trip: the old lease ends without waiting for the answer"
     assert digest(views) == digest(weights(2)), "the same tensor objects read generation 2"
     assert {n: t.data_ptr() for n, t in follower.tensors.items()} == addresses
 
+    engine.ping()  # the release before it is done once the ping is answered
     listed = entries(trainer)
     assert listed["policy@2"]["current"] and listed["policy@1"]["state"] == "previous"
     assert listed["policy@1"]["leases"] == 0 and listed["policy@2"]["leases"] == 1
@@ -422,3 +427,11 @@ def test_a_fill_written_with_a_wrong_tensor_says_so_and_publishes_nothing(make_d
     with trainer.acquire("policy@1") as lease:
         assert int(lease.tensors["embed"][0]) == 7
         assert torch.equal(lease.tensors["layers.1.w"], weights(1)["layers.1.w"])
+
+
+def test_a_request_not_waited_for_leaves_nothing_behind_even_when_refused(make_daemon: Any) -> None:
+    daemon = make_daemon()
+    client = daemon.client()
+    client.send_unawaited("release", lease=987654)  # no such lease: an error reply, dropped
+    client.ping()
+    assert not client._replies and not client._unawaited
