@@ -37,10 +37,10 @@ lint: venv
 # without a GPU): the everyday run, a few minutes on two cores. The adversarial, soak and timing
 # suites (marked `slow`) are `make test-slow`, which CI runs too.
 test: lint
-	"$(BIN)/python" -m pytest -q -p no:cacheprovider -m "not slow and not package and not system" tests
+	"$(BIN)/python" -m pytest -q -p no:cacheprovider -m "not slow and not package and not system and not fleet" tests
 
 test-slow: venv
-	"$(BIN)/python" -m pytest -q -p no:cacheprovider -m "slow and not package and not system" tests
+	"$(BIN)/python" -m pytest -q -p no:cacheprovider -m "slow and not package and not system and not fleet" tests
 
 # Builds the Debian package and checks it (installs debhelper and lintian with apt-get if missing).
 test-package: venv

@@ -7,7 +7,7 @@ size and imports nothing. After READY each is checked (`check`): the arena opene
 (host: seals and size; CUDA: import), the record's layout validated, the checkpoint
 re-fingerprinted (a changed one is never served) and the backend's own check of the arena, tried
 again while the GPU has no memory for it yet. The decisions (admit, drop, load from disk instead)
-are `wcd.residency`'s.
+are `Adopting`'s, a mixin of `wcd.residency.Residency`.
 """
 
 from __future__ import annotations
@@ -15,21 +15,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from wcd import parking, systemd
 from wcd.arenas import Arena, ArenaBackend
 from wcd.checkpoint import open_files
 from wcd.errors import BadRequest, WcdError
 from wcd.key import fingerprint_unparsed
-from wcd.life import life, unstore
+from wcd.life import Life, life, unstore
 from wcd.manifest import Manifest
 from wcd.offloop import close_later, produced, using
+from wcd.units import format_size
 
 if TYPE_CHECKING:
-    from wcd.cache import Entry
+    from wcd.cache import Cache
+    from wcd.devices import Devices
+    from wcd.entry import Entry
+    from wcd.verifying import Verifier
 
 log = logging.getLogger("wcd")
 
@@ -170,3 +174,101 @@ def _refingerprint(rec: parking.ParkedEntry, follow_links: bool) -> list[str]:
         for _, fd in files:
             os.close(fd)
     return []
+
+class Adopting:
+    """Re-adoption's decisions (admit, check, serve or drop), a mixin of `wcd.residency.Residency`:
+    the residency's state and steps they use are declared here for the type checker."""
+
+    cache: Cache
+    devices: Devices
+    _verifier: Verifier
+    _spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task[Any]]
+
+    if TYPE_CHECKING:
+        def reclaim(self, entries: Iterable[Entry], why: str) -> None: ...
+
+        async def _drop_loading(self, entry: Entry, failed_check: bool = False) -> bool: ...
+
+        def _set_ready(self, entry: Entry) -> None: ...
+
+        def _follow_links(self, name: str) -> bool: ...
+
+    def adopt_parked(self, fds: list[tuple[int, str]]) -> None:
+        """Re-adopt arenas systemd kept for us; drop (and unstore) anything unknown or corrupt.
+
+        Before READY only what takes microseconds per entry whatever its size and needs nothing
+        imported: the record less its manifest's layout. Each entry is then `loading`, without an
+        arena, charged to its budget under its name, so an engine that connects at once waits for it
+        and the configured model is not loaded again from disk; `start_checks` starts the rest
+        (opening the arena fd: a CUDA one needs cuda-bindings imported), once READY is out."""
+        sort_stored(fds, self._adopt)
+
+    def _adopt(self, rec: parking.ParkedEntry, fd: int) -> Entry:
+        """Admit a parked entry (state `loading`, its arena opened by `_check_adopted`); it owns `fd`."""
+        device = rec.key.device
+        if device not in self.cache.budgets:
+            raise BadRequest(f"device {device} is no longer configured")
+        # An empty manifest stands in until the check validates the record's; status shows the
+        # record's counts meanwhile, unvalidated (its dtype column has a byte per tensor).
+        entry, victims = self.cache.admit(rec.name, rec.key, Manifest.build(()), rec.arena_size, rec.retention,
+                                          rec.origin, rec.publisher if rec.origin == "publish" else os.getuid(),
+                                          adopted=True)
+        entry.asked_by = rec.asked_by
+        # systemd still holds the fds: never store them twice
+        entry.life = Life(phase="checking", adopted=(rec, fd), parked=True)
+        entry.load_phase = "checking"
+        self.reclaim(victims, f"least recently used, to make room for {rec.name} kept across a restart")
+        entry.notes = [ADOPTING_NOTE]
+        codes = rec.manifest_wire.get("dtypes")
+        entry.recorded_tensors = len(codes) if isinstance(codes, bytes) else None
+        return entry
+
+    def start_checks(self) -> None:
+        """Start checking the entries `adopt_parked` admitted, in the background. Called after READY:
+        started before, their worker threads' Python would compete with start-up's for the GIL."""
+        for entry in list(self.cache.entries.values()):
+            if life(entry).adopted is not None:
+                self._spawn(self._check_adopted(entry))
+
+    async def _check_adopted(self, entry: Entry) -> None:
+        """After READY: check a re-adopted entry (`check`); then it is ready. A failure
+        drops the entry and its fds with one line; a configured model is then loaded from disk,
+        and acquires waiting for the entry wait for that load instead."""
+        def gone() -> bool:  # dropped meanwhile (evicted twice, say): `reclaim` closed what it held
+            return self.cache.entries.get(entry.name) is not entry
+
+        try:
+            checked = await check(entry, self.devices.backend(entry.device),
+                                           self._follow_links(entry.name), gone)
+        except Exception as e:  # noqa: BLE001 - whatever went wrong, the entry must not stay unchecked
+            if gone():
+                return
+            log.warning("fd store: dropping %s: %s", entry.name,
+                        e.message if isinstance(e, WcdError) else f"{type(e).__name__}: {e}")
+            await self._drop_loading(entry, failed_check=True)
+            return
+        if checked is None or gone():
+            return
+        entry.manifest, entry.notes = checked
+        entry.done_bytes, entry.load_phase = entry.manifest.nbytes, ""
+        entry.recorded_tensors = None
+        layout = await asyncio.to_thread(entry.manifest.layout) if "series" in entry.key.extra else None
+        if gone():
+            return
+        if entry.state == "evicting":  # evicted while it was checked
+            await self._drop_loading(entry)
+            return
+        self.cache.loaded(entry)
+        if layout is not None:  # a generation rejoins its series before anything is served from it
+            try:
+                self.reclaim(self.cache.adopted_generation(entry, layout),
+                             f"past keep_generations ({self.cache.keep_generations}) once {entry.name} was adopted")
+            except BadRequest as e:
+                log.warning("fd store: dropping %s: %s", entry.name, e.message)
+                self.reclaim(self.cache.load_failed(entry), f"re-adopted but {e.message}")
+                return
+        if entry.origin == "publish":
+            self._verifier.keep_digest(entry, "digest at re-adoption after a restart")
+        self._set_ready(entry)
+        log.info("adopted %s from systemd's fd store (%s on %s, no disk read)%s", entry.name,
+                 format_size(entry.nbytes), entry.device, f"; {entry.notes[0]}" if entry.notes else "")

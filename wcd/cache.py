@@ -9,13 +9,9 @@ never touches. Operations that free memory return the entries they dropped; the 
 - States: `loading` (daemon fills it, or checks one it re-adopted after a restart) or `filling`
   (a client fills it under a fill lease) -> `ready` -> `evicting` (asked to go while leased;
   dropped when the last lease ends).
-- A lease lives until released, expired (no heartbeat within the TTL) or its owner (the
-  connection) goes away. A fill lease that ends before commit drops its entry at once. A uid
-  holds at most `max_leases_per_uid` (the daemon's own holds are not counted), and leases are
-  listed a page at a time (`leases_page`) and expired a batch at a time (`expire`).
-- `ephemeral` entries are dropped when their last read lease ends.
-- A fill lease's TTL starts when its holder is told its id (`handed_out`), not when the arena
-  allocation it waits for begins: a large allocation cannot expire it unseen.
+- Leases are kept by `wcd.leasebook` (TTLs, heartbeats, per-uid limits, paging, deadlines); the
+  cache decides what a lease's end does to its entry. A fill lease that ends before commit drops
+  its entry at once; `ephemeral` entries are dropped when their last read lease ends.
 - Every entry carries its publisher's uid (the daemon's for its own loads). Only admins evict
   what they did not publish, and pin.
 - A key is scoped by its publisher: entries of one key from different uids never collide, so no
@@ -42,149 +38,29 @@ deadline), so no request and no disconnect costs time in proportion to the whole
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import math
 import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Literal
+from typing import Any
 
-from wcd.errors import BadRequest, Busy, KeyMismatch, LeaseExpired, NotFound, OutOfMemory, PermissionDenied
+from wcd.entry import Entry, Failure, LeaseRecord, Origin, State
+from wcd.errors import BadRequest, Busy, KeyMismatch, NotFound, OutOfMemory, PermissionDenied, WcdError
 from wcd.key import WeightCacheKey
+from wcd.leasebook import DEFAULT_MAX_LEASES_PER_UID, LeaseBook
 from wcd.manifest import Manifest
-from wcd.series import SERVED, Generations, Series
+from wcd.series import SERVED, Generations
 from wcd.units import format_size
 from wcd.wire import Retention
 
-State = Literal["loading", "filling", "ready", "previous", "evicting"]
-LeaseKind = Literal["read", "fill"]
-Origin = Literal["config", "load", "publish"]
+__all__ = ["Cache", "Entry", "Failure", "LeaseRecord", "Origin", "State"]
 
 DEFAULT_MAX_ENTRIES = 4096
 DEFAULT_KEEP_GENERATIONS = 1
 DEFAULT_MAX_ENTRIES_PER_UID = 256
-DEFAULT_MAX_LEASES_PER_UID = 4096
 NEAR_MISS_CANDIDATES = 16  # entries of the same model a key_mismatch compares the key with
-
-
-@dataclass(eq=False)
-class LeaseRecord:
-    """The daemon's record of one lease (an engine holds its side as `wcd.client.Lease`)."""
-
-    id: int
-    entry: Entry
-    kind: LeaseKind
-    owner: Hashable
-    pid: int
-    uid: int
-    expires_at: float
-    queued_at: float = math.inf  # the deadline its place in the expiry heap was taken for
-    held_by_daemon: bool = False  # the daemon's own hold (a verify): no heartbeats, no uid's quota
-
-
-@dataclass(eq=False)
-class Entry:
-    name: str
-    key: WeightCacheKey
-    manifest: Manifest
-    nbytes: int  # arena bytes charged against the device budget
-    retention: Retention
-    origin: Origin
-    state: State
-    created_at: float
-    last_used: float
-    leases: dict[int, LeaseRecord] = field(default_factory=dict)
-    arena: Any = None  # opaque to the cache: the arena residency allocated
-    life: Any = None  # opaque to the cache: residency's record of what this entry owns (`wcd.life`)
-    done_bytes: int = 0  # load progress
-    # While loading: "allocating" (the arena), "reading" (the checkpoint into it) or "checking" (a
-    # copy kept across a restart); set by `wcd.residency`, shown in status and metrics.
-    load_phase: str = ""
-    reading_since: float | None = None  # time.monotonic() when the reading began: rate and time left
-    evicted_why: str = ""  # evicted while leased or loading: by whom (said when it goes)
-    previous: str = ""  # when and why the last entry of this name went, if one did (`note_reclaimed`)
-    acquires: int = 0
-    notes: list[str] = field(default_factory=list)  # shown in status, e.g. "checkpoint missing"
-    publisher: int | None = None  # uid whose bytes these are: the daemon's for its loads
-    # The uid whose `load` of a path made the entry (an admin's, perhaps not the daemon's): its bytes
-    # are what that uid pointed the daemon at. None for configured models and publishes.
-    asked_by: int | None = None
-    # Re-adopted after a restart, until checked: the tensor count its record gives (status shows
-    # it meanwhile; the manifest is an empty stand-in until the record's is validated).
-    recorded_tensors: int | None = None
-    series: Series | None = None  # the series this entry is a generation of
-    generation: int = 0
-
-    @property
-    def device(self) -> str:
-        return self.key.device
-
-    @property
-    def read_leases(self) -> int:
-        return sum(1 for lease in self.leases.values() if lease.kind == "read")
-
-    def describe(self, now: float | None = None) -> dict[str, Any]:
-        """The entry for status/list replies. `now` is a reading of the clock `last_used` comes
-        from (the cache's; monotonic by default): it becomes idle seconds and a wall-clock time."""
-        idle_s = max(0.0, (time.monotonic() if now is None else now) - self.last_used)
-        return {
-            "name": self.name,
-            "state": self.state,
-            "bytes": self.nbytes,
-            "device": self.device,
-            "leases": len(self.leases),
-            "retention": self.retention,
-            "origin": self.origin,
-            "publisher_uid": self.publisher,
-            "asked_by": self.asked_by,
-            "tensors": len(self.manifest) if self.recorded_tensors is None else self.recorded_tensors,
-            "progress": self._progress(),
-            "acquires": self.acquires,
-            "notes": self.notes,
-            "last_used": datetime.fromtimestamp(time.time() - idle_s, timezone.utc).isoformat(timespec="seconds"),
-            "idle_s": round(idle_s, 3),
-            "key": self.key.model_dump(),
-            "previous": self.previous,
-            **({"series": self.series.name, "generation": self.generation,
-                "current": self.series.current == self.generation} if self.series is not None else {}),
-        }
-
-    def _progress(self) -> dict[str, Any]:
-        """Bytes done of the total; while loading, the phase, and once reading, bytes/s and seconds left."""
-        done, total = self.done_bytes, self.manifest.nbytes
-        progress: dict[str, Any] = {"done": done, "total": total, "phase": self.load_phase}
-        if self.load_phase == "reading" and self.reading_since is not None:
-            elapsed = time.monotonic() - self.reading_since
-            rate = done / elapsed if elapsed > 0 else 0.0
-            progress["rate"] = round(rate)
-            progress["eta_s"] = round((total - done) / rate, 1) if rate > 0 else None
-        return progress
-
-
-@dataclass(frozen=True, slots=True)
-class Failure:
-    """A load that ended without an entry: what an operator sees in its place (`describe`)."""
-
-    name: str
-    reason: str  # one line
-    at: float  # wall clock
-    origin: Origin
-    device: str
-    path: str
-
-    def describe(self) -> dict[str, Any]:
-        """The same fields as `Entry.describe`, state `failed`, with `reason` and `failed_at`."""
-        when = datetime.fromtimestamp(self.at, timezone.utc).isoformat(timespec="seconds")
-        return {
-            "name": self.name, "state": "failed", "bytes": 0, "device": self.device, "leases": 0,
-            "retention": None, "origin": self.origin, "publisher_uid": None, "tensors": 0,
-            "progress": {"done": 0, "total": 0}, "acquires": 0, "notes": [f"failed: {self.reason}"],
-            "last_used": when, "idle_s": round(max(0.0, time.time() - self.at), 3), "key": {},
-            "reason": self.reason, "failed_at": when, "path": self.path,
-        }
 
 
 class Cache:
@@ -197,31 +73,23 @@ class Cache:
         self.generations = Generations(keep_generations)
         self.series = self.generations.series  # name -> Series (the same dict)
 
-        self.lease_ttl_s = lease_ttl_s
         self.clock = clock
         self.max_entries = max_entries
         self.max_entries_per_uid = max_entries_per_uid
-        self.max_leases_per_uid = max_leases_per_uid
+        self.lease_book = LeaseBook(lease_ttl_s, clock, max_leases_per_uid)
+        self.leases = self.lease_book.leases  # id -> LeaseRecord (the same dict)
         # Bytes of a device that entries no longer hold but other processes still map (arenas
         # reclaimed after their leases ended, whose views were kept): the residency sets it.
         self.outside: Callable[[str], int] = lambda device: 0
         self.entries: dict[str, Entry] = {}
-        self.leases: dict[int, LeaseRecord] = {}
-        self._ids = itertools.count(1)
         self.stats = {"lease_expiries": 0, "evictions": 0, "load_failures": 0}
         self.failures: dict[str, Failure] = {}  # by name, oldest first
         self._reclaimed: dict[str, str] = {}  # name -> when and why its last entry went, oldest first
-        # Indexes over `entries` and `leases`, kept by the methods below (nothing else mutates them):
+        # Indexes over `entries`, kept by the methods below (nothing else mutates them):
         self._by_key: dict[WeightCacheKey, dict[int | None, Entry]] = {}  # key -> publisher uid -> entry
         self._published: Counter[int | None] = Counter()  # published entries per publisher uid
         self._by_model: dict[str, dict[str, Entry]] = {}  # model -> entry name -> entry
         self._used: dict[str, int] = dict.fromkeys(self.budgets, 0)
-        self._by_owner: dict[Hashable, dict[int, LeaseRecord]] = {}
-        self._by_uid: dict[int, dict[int, LeaseRecord]] = {}  # peers' leases (not the daemon's holds), in id order
-        # (deadline, lease id), one per finite lease; a heartbeat moves the deadline later without
-        # touching the heap, and expire() re-queues such leases when their old deadline comes up.
-        self._deadlines: list[tuple[float, int]] = []
-
 
     @property
     def keep_generations(self) -> int:
@@ -246,20 +114,6 @@ class Cache:
                     return entry
         return None
 
-    def leases_of(self, owner: Hashable) -> int:
-        return len(self._by_owner.get(owner, ()))
-
-    def leases_page(self, uid: int | None, after: int, limit: int) -> tuple[list[LeaseRecord], int | None]:
-        """Up to `limit` leases with ids above `after`, in id order: every lease (`uid` None), or
-        the peer leases of `uid`. Returns them and the cursor for the next page (None at the end).
-        Ids grow, so the dicts hold leases in id order; skipping to the cursor costs a C-level
-        step per lease before it, nothing per lease after the page."""
-        held = self.leases if uid is None else self._by_uid.get(uid, {})
-        page = list(itertools.islice(itertools.dropwhile(after.__ge__, held), limit + 1))
-        more = len(page) > limit
-        del page[limit:]
-        return [held[i] for i in page], (page[-1] if more else None)
-
     def find(self, target: str | WeightCacheKey, publishers: Sequence[int | None] = ()) -> Entry:
         """The entry named `target`, or whose key equals it from the first of `publishers` (whom the
         asker trusts, in order) that has one. A near miss reports the differing fields."""
@@ -276,26 +130,7 @@ class Cache:
         entry = self.by_key(target, publishers)
         if entry is not None:
             return entry
-        others = self._by_key.get(target)
-        if others:
-            uids = sorted(others, key=str)[:8]
-            raise NotFound(
-                f"no entry of model {target.model!r} with this key from a publisher trusted here (uids "
-                f"{', '.join(map(str, publishers))}); published by uid {', '.join(map(str, uids))}: "
-                "acquire it by name if you mean to, or have the daemon list its uid in trusted_publishers",
-                {"model": target.model, "publishers": uids})
-        # A bounded sample: a peer may ask thousands of near misses against thousands of entries.
-        same_model = list(itertools.islice(self._by_model.get(target.model, {}).values(), NEAR_MISS_CANDIDATES))
-        if not same_model:
-            raise NotFound(f"no entry for model {target.model!r}", {"model": target.model})
-        nearest = min(same_model, key=lambda e: len(e.key.diff(target)))
-        fields = nearest.key.diff(target)
-        raise KeyMismatch(
-            f"model {target.model!r} is resident as {nearest.name!r} but its key differs in: {', '.join(fields)}",
-            {"fields": fields, "entry": nearest.name,
-             "resident": {f: _plain(getattr(nearest.key, f)) for f in fields},
-             "requested": {f: _plain(getattr(target, f)) for f in fields}},
-        )
+        raise _key_miss(target, publishers, self._by_key.get(target), self._by_model.get(target.model, {}))
 
     # -- admission and eviction -------------------------------------------------------------
 
@@ -404,7 +239,7 @@ class Cache:
 
     def _drop(self, entry: Entry) -> Entry:
         for lease in list(entry.leases.values()):
-            self._forget(lease)
+            self.lease_book.forget(lease)
         del self.entries[entry.name]
         same_key = self._by_key[entry.key]
         del same_key[entry.publisher]
@@ -473,7 +308,7 @@ class Cache:
         heartbeats) and counted against no uid's max_leases_per_uid."""
         if entry.state not in SERVED:
             raise Busy(f"entry {entry.name!r} is {entry.state}", {"name": entry.name, "state": entry.state})
-        lease = self._new_lease(entry, "read", owner, pid, uid, ttl_s)
+        lease = self.lease_book.new(entry, "read", owner, pid, uid, ttl_s)
         entry.acquires += 1
         return lease
 
@@ -484,17 +319,17 @@ class Cache:
         """Admit a published entry with a fill lease whose TTL starts at `handed_out`. With `series`,
         the entry is that series' next generation (named `series@N`, its key marked with both),
         under the rules of the module docstring."""
-        self._lease_room(uid)
+        self.lease_book.room(uid)
         if series is None:
             entry, victims = self.admit(name, key, manifest, nbytes, retention, "publish", publisher=uid)
-            return entry, self._new_lease(entry, "fill", owner, pid, uid, held_until=math.inf), victims
+            return entry, self.lease_book.new(entry, "fill", owner, pid, uid, held_until=math.inf), victims
         # A generation must be read through the series' views on the series' device.
         into, generation = self.generations.next(series, uid, admin, f"{manifest.layout()}@{key.device}")
         key = key.model_copy(update={"extra": {**key.extra, "series": series, "generation": str(generation)}})
         entry, victims = self.admit(f"{series}@{generation}", key, manifest, nbytes, retention, "publish",
                                     publisher=uid)
         self.generations.join(entry, into, generation)
-        return entry, self._new_lease(entry, "fill", owner, pid, uid, held_until=math.inf), victims
+        return entry, self.lease_book.new(entry, "fill", owner, pid, uid, held_until=math.inf), victims
 
     def adopted_generation(self, entry: Entry, layout: str) -> list[Entry]:
         """A generation re-adopted after a restart rejoins its series (`Generations.adopted`);
@@ -512,77 +347,8 @@ class Cache:
         target.last_used = self.clock()
         return target, [self._drop(e) for e in drop]
 
-    def handed_out(self, lease: LeaseRecord) -> None:
-        """Its holder is being told the lease's id: the heartbeat TTL runs from now."""
-        lease.expires_at = self.clock() + self.lease_ttl_s
-        self._queue(lease)
-
-    def _new_lease(self, entry: Entry, kind: LeaseKind, owner: Hashable, pid: int, uid: int,
-                   ttl_s: float | None = None, held_until: float | None = None) -> LeaseRecord:
-        """A peer's lease (its TTL the heartbeat's, or `held_until` for a fill lease until it is
-        handed out), or with `ttl_s` the daemon's own hold."""
-        if ttl_s is None:
-            self._lease_room(uid)
-        now = self.clock()
-        expires = held_until if held_until is not None else now + (ttl_s or self.lease_ttl_s)
-        lease = LeaseRecord(next(self._ids), entry, kind, owner, pid, uid, expires, held_by_daemon=ttl_s is not None)
-        entry.leases[lease.id] = lease
-        entry.last_used = now
-        self.leases[lease.id] = lease
-        self._by_owner.setdefault(owner, {})[lease.id] = lease
-        if not lease.held_by_daemon:
-            self._by_uid.setdefault(uid, {})[lease.id] = lease
-        self._queue(lease)
-        return lease
-
-    def _lease_room(self, uid: int) -> None:
-        held = len(self._by_uid.get(uid, ()))
-        if held >= self.max_leases_per_uid:
-            raise Busy(f"uid {uid} holds {held} leases, the daemon's max_leases_per_uid: release leases it does "
-                       "not use (or close the connections holding them)", {"limit": "max_leases_per_uid"})
-
-    def _queue(self, lease: LeaseRecord) -> None:
-        if math.isfinite(lease.expires_at):  # the daemon's own holds never expire
-            lease.queued_at = lease.expires_at
-            heapq.heappush(self._deadlines, (lease.expires_at, lease.id))
-
-    def _forget(self, lease: LeaseRecord) -> None:
-        """Remove a lease from every index (its heap place goes stale and is skipped)."""
-        del self.leases[lease.id]
-        del lease.entry.leases[lease.id]
-        owned = self._by_owner[lease.owner]
-        del owned[lease.id]
-        if not owned:
-            del self._by_owner[lease.owner]
-        if not lease.held_by_daemon:
-            of_uid = self._by_uid[lease.uid]
-            del of_uid[lease.id]
-            if not of_uid:
-                del self._by_uid[lease.uid]
-
-    def _owned(self, owner: Hashable, lease_id: int) -> LeaseRecord:
-        lease = self.leases.get(lease_id)
-        if lease is None or lease.owner != owner:
-            raise LeaseExpired(f"lease {lease_id} is not held by this connection (expired or released)",
-                               {"lease": lease_id})
-        return lease
-
-    def heartbeat(self, owner: Hashable, lease_ids: Iterable[int]) -> list[int]:
-        """Renew the owner's leases; returns the ids that are no longer held."""
-        deadline = self.clock() + self.lease_ttl_s
-        lost = []
-        for lease_id in lease_ids:
-            lease = self.leases.get(lease_id)
-            if lease is None or lease.owner != owner:
-                lost.append(lease_id)
-            else:
-                lease.expires_at = deadline
-                if deadline < lease.queued_at:  # the TTL was shortened by a reload
-                    self._queue(lease)
-        return lost
-
     def release(self, owner: Hashable, lease_id: int) -> list[Entry]:
-        lease = self._owned(owner, lease_id)
+        lease = self.lease_book.owned(owner, lease_id)
         if lease.kind == "fill":
             raise BadRequest(f"lease {lease_id} is a fill lease: commit or abort it")
         return self._end(lease)
@@ -590,13 +356,13 @@ class Cache:
     def commit(self, owner: Hashable, lease_id: int) -> tuple[Entry, list[Entry]]:
         """Make a filled entry ready. If it was evicted while filling, it is dropped instead:
         returns (entry, dropped entries) and the caller reports the eviction."""
-        lease = self._owned(owner, lease_id)
+        lease = self.lease_book.owned(owner, lease_id)
         if lease.kind != "fill":
             raise BadRequest(f"lease {lease_id} is a read lease: only fill leases commit")
         entry = lease.entry
         if entry.state == "evicting":
             return entry, self._end(lease)
-        self._forget(lease)
+        self.lease_book.forget(lease)
         entry.state = "ready"
         entry.done_bytes = entry.manifest.nbytes
         entry.last_used = self.clock()
@@ -605,14 +371,14 @@ class Cache:
         return entry, [self._drop(e) for e in self.generations.make_current(entry)]
 
     def abort(self, owner: Hashable, lease_id: int) -> list[Entry]:
-        lease = self._owned(owner, lease_id)
+        lease = self.lease_book.owned(owner, lease_id)
         if lease.kind != "fill":
             raise BadRequest(f"lease {lease_id} is a read lease: release it instead")
         return self._end(lease)
 
     def _end(self, lease: LeaseRecord) -> list[Entry]:
         entry = lease.entry
-        self._forget(lease)
+        self.lease_book.forget(lease)
         entry.last_used = self.clock()
         if entry.name not in self.entries:
             return []
@@ -630,52 +396,45 @@ class Cache:
         now = self.clock()
         expired: list[LeaseRecord] = []
         dropped: list[Entry] = []
-        while (limit is None or len(expired) < limit) and (lease := self._due(now)) is not None:
-            if lease.expires_at > now:  # renewed since it was queued
-                self._queue(lease)
-                continue
+        while (limit is None or len(expired) < limit) and (lease := self.lease_book.due(now)) is not None:
             expired.append(lease)
             dropped += self._end(lease)
         self.stats["lease_expiries"] += len(expired)
         return expired, dropped
 
-    def _due(self, now: float) -> LeaseRecord | None:
-        """Pop the next live lease whose queued deadline has come, skipping stale heap places."""
-        heap = self._deadlines
-        while heap and heap[0][0] <= now:
-            deadline, lease_id = heapq.heappop(heap)
-            lease = self.leases.get(lease_id)
-            if lease is not None and lease.queued_at == deadline:
-                return lease
-        return None
-
-    def next_expiry(self) -> float | None:
-        """When the next lease may expire (no later than that; a heartbeat may have moved it on)."""
-        heap = self._deadlines
-        while heap and (heap[0][1] not in self.leases or self.leases[heap[0][1]].queued_at != heap[0][0]):
-            heapq.heappop(heap)
-        return heap[0][0] if heap else None
-
     def drop_owner(self, owner: Hashable) -> list[Entry]:
         """The owner (a connection) went away: end all its leases."""
         dropped: list[Entry] = []
-        for lease in list(self._by_owner.get(owner, {}).values()):
+        for lease in self.lease_book.held_by(owner):
             if lease.id in self.leases:  # a fill lease's end drops its entry's other leases
                 dropped += self._end(lease)
         return dropped
 
 
-def describe_expired(expired: list[LeaseRecord], named: int = 3) -> str:
-    """One log line for leases that expired together: how many, and on which entries (by count)."""
-    if len(expired) == 1:
-        lease = expired[0]
-        return f"lease {lease.id} on {lease.entry.name} (pid {lease.pid}, uid {lease.uid}) expired: no heartbeat"
-    per_entry = Counter(lease.entry.name for lease in expired)
-    most = ", ".join(f"{n} on {name}" for name, n in per_entry.most_common(named))
-    rest = f" and {len(per_entry) - named} more entries" if len(per_entry) > named else ""
-    uids = sorted({lease.uid for lease in expired})
-    return (f"{len(expired)} leases expired, no heartbeat: {most}{rest} (uids {', '.join(map(str, uids[:8]))}"
-            f"{', ...' if len(uids) > 8 else ''})")
+def _key_miss(target: WeightCacheKey, publishers: Sequence[int | None], others: dict[int | None, Entry] | None,
+              same_model: dict[str, Entry]) -> WcdError:
+    """Why no entry has `target` from a publisher the asker trusts: published by others only,
+    no entry of the model, or the differing fields of a near miss (`others`: the key's entries
+    by publisher; `same_model`: the model's entries by name)."""
+    if others:
+        uids = sorted(others, key=str)[:8]
+        return NotFound(
+            f"no entry of model {target.model!r} with this key from a publisher trusted here (uids "
+            f"{', '.join(map(str, publishers))}); published by uid {', '.join(map(str, uids))}: "
+            "acquire it by name if you mean to, or have the daemon list its uid in trusted_publishers",
+            {"model": target.model, "publishers": uids})
+    # A bounded sample: a peer may ask thousands of near misses against thousands of entries.
+    sample = list(itertools.islice(same_model.values(), NEAR_MISS_CANDIDATES))
+    if not sample:
+        return NotFound(f"no entry for model {target.model!r}", {"model": target.model})
+    nearest = min(sample, key=lambda e: len(e.key.diff(target)))
+    fields = nearest.key.diff(target)
+    return KeyMismatch(
+        f"model {target.model!r} is resident as {nearest.name!r} but its key differs in: {', '.join(fields)}",
+        {"fields": fields, "entry": nearest.name,
+         "resident": {f: _plain(getattr(nearest.key, f)) for f in fields},
+         "requested": {f: _plain(getattr(target, f)) for f in fields}},
+    )
 
 
 def _plain(v: Any) -> Any:

@@ -1,9 +1,10 @@
-"""Synchronous client for engine processes and wcdctl: connect, ops, leases, heartbeats, publish.
+"""Synchronous client for engine processes and wcdctl: connect, ops, leases, heartbeats.
 
 One Unix socket per `Client`, safe to share between threads: requests carry ids and whichever
 thread is waiting reads the socket and hands other threads their replies, so a long `acquire`
 never delays a heartbeat. A background thread renews every live lease every TTL/3. Error
-replies become the `wcd.errors` classes.
+replies become the `wcd.errors` classes. Publishing and series (watch, follow, rollback) are in
+`wcd.publishing`, the engine's side of a lease in `wcd.lease`; `Client` has them all.
 
 An engine imports this on its start-up clock, so it imports only the framing (`wcd.wire`), the
 manifest and the errors: no pydantic, no request schemas (validating requests is the daemon's
@@ -24,20 +25,19 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
 from wcd import __version__, wire
 from wcd.errors import BadReply, DaemonUnavailable, PermissionDenied, ProtocolError, WcdError, from_wire
-from wcd.manifest import TENSOR_COLUMNS, Manifest
-from wcd.replies import decoding, entry_name, field, one_fd, validated_manifest
+from wcd.lease import FillLease, Lease
+from wcd.publishing import Publishing
+from wcd.replies import field, one_fd
 
 if TYPE_CHECKING:
-    import torch
-
-    from wcd.follower import Follower
     from wcd.key import WeightCacheKey
-    from wcd.views import MappedArena
+
+__all__ = ["Client", "FillLease", "Lease", "connect", "default_socket"]
 
 log = logging.getLogger("wcd.client")
 
@@ -64,131 +64,7 @@ def _not_listening(path: str) -> str:
     return f"{path} is not a socket but {what}: pass the daemon's socket (/run/wcd/NAME.sock)"
 
 
-class Lease:
-    """A read lease: zero-copy tensor views of a resident entry, kept alive by heartbeats.
-
-    Views stay valid after `release()` (and if the daemon dies), for host and CUDA arenas alike:
-    the mapping lives as long as any view and is unmapped when the last one is freed.
-    """
-
-    kind = "read"
-
-    def __init__(self, client: Client, reply: dict[str, Any], fd: int, mapping: str = "map") -> None:
-        """`mapping`: "map" the arena, map it "remappable" (`Follower`), or keep its "fd" unmapped
-        (to be mapped in place of another generation: `Follower`)."""
-        self.client = client
-        self.lost = False  # set when a heartbeat finds the daemon no longer holds this lease
-        self.released = False
-        self._mapped: MappedArena | None = None
-        self._arena_fd: int | None = None
-        try:
-            with decoding(f"{self.kind} lease reply"):
-                self.id: int = field(reply, "lease", int)
-            self.entry: str = entry_name(reply)
-            self._key_wire = reply.get("key")
-            # Whose bytes these are: the daemon's own loads ("config"/"load") or a publisher's uid.
-            self.origin: str | None = reply.get("origin")
-            self.publisher_uid: int | None = reply.get("publisher_uid")
-            self.asked_by: int | None = reply.get("asked_by")  # whose `load` made it (origin "load")
-            with decoding(f"the manifest of {self.entry!r}"):
-                self.manifest = validated_manifest(reply.get("manifest"))
-                self.arena: dict[str, Any] = field(reply, "arena", dict)
-        except BaseException:
-            os.close(fd)
-            if hasattr(self, "id"):
-                self.client._end_lease(self, "abort" if self.kind == "fill" else "release")
-            raise
-        if mapping == "fd":
-            self._arena_fd = fd
-            return
-        try:
-            from wcd.views import map_arena
-
-            with decoding(f"the arena of {self.entry!r}"):
-                self._mapped = map_arena(self.arena, fd, self.manifest, writable=self.kind == "fill",
-                                         remappable=mapping == "remappable")
-        except BaseException:
-            self.client._end_lease(self, "abort" if self.kind == "fill" else "release")
-            raise
-
-    @property
-    def key(self) -> WeightCacheKey:
-        """The entry's full key (validated on first use: it needs pydantic, an attach does not)."""
-        from wcd.key import WeightCacheKey
-
-        if not isinstance(self._key_wire, WeightCacheKey):
-            with decoding(f"the key of {self.entry!r}"):
-                self._key_wire = WeightCacheKey.model_validate(self._key_wire)
-        return self._key_wire
-
-    @property
-    def tensors(self) -> dict[str, torch.Tensor]:
-        if self._mapped is None:
-            raise WcdError(f"lease {self.id} on {self.entry} is released: its views are gone")
-        return self._mapped.tensors
-
-    def release(self) -> None:
-        if self.released:
-            return
-        self.released = True
-        if self._mapped is not None:
-            self._mapped.close()
-            self._mapped = None
-        self._close_fd()
-        self.client._end_lease(self, "release")
-
-    def _close_fd(self) -> None:
-        if self._arena_fd is not None:
-            os.close(self._arena_fd)
-            self._arena_fd = None
-
-    def _adopt_mapping(self, mapped: MappedArena) -> None:
-        """This lease's arena is now what `mapped` maps (`Follower`): its fd is no longer needed."""
-        self._mapped = mapped
-        self._close_fd()
-
-    def __enter__(self) -> Lease:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    def __repr__(self) -> str:
-        return f"<wcd.Lease {self.id} {self.kind} {self.entry} {len(self.manifest)} tensors>"
-
-
-class FillLease(Lease):
-    """A fill lease from `reserve`: writable views of a fresh arena; `commit()` or `abort()`."""
-
-    kind = "fill"
-
-    def commit(self) -> str:
-        """Make the entry ready for everyone. Every reference to `tensors` must be dropped first."""
-        if self._mapped is not None:
-            self._mapped.unmap_writable()
-            self._mapped = None
-        reply = self.client.request("commit", lease=self.id)
-        self.released = True
-        self.client._forget(self)
-        return entry_name(reply)
-
-    def abort(self) -> None:
-        if self._mapped is not None:
-            self._mapped.close()
-            self._mapped = None
-        if not self.released:
-            self.released = True
-            self.client._end_lease(self, "abort")
-
-    def release(self) -> None:
-        self.abort()
-
-    def __exit__(self, *exc: object) -> None:
-        if not self.released:
-            self.abort()
-
-
-class Client:
+class Client(Publishing):
     """A connection to one daemon. `Client()` uses $WCD_SOCKET.
 
     `server_uid` (a uid or several) is who must serve the socket, checked with SO_PEERCRED before
@@ -209,6 +85,7 @@ class Client:
         self._send_lock = threading.RLock()  # reentrant: a reconnect sends hello while holding it
         self._cond = threading.Condition()
         self._replies: dict[int | None, tuple[dict[str, Any], list[int]]] = {}
+        self._unawaited: set[int] = set()  # requests whose replies are dropped as they are read
         self._reading = False
         self._broken: WcdError | None = None
         self._decoder = wire.FrameDecoder(max_array=wire.MAX_REPLY_ARRAY)
@@ -263,6 +140,7 @@ class Client:
                 for fd in fds:
                     os.close(fd)
             self._replies.clear()
+            self._unawaited.clear()
         for lease in lost:
             lease.lost = True
         self.sock.close()
@@ -307,7 +185,24 @@ class Client:
 
     def request_fds(self, op: str, **fields: Any) -> tuple[dict[str, Any], list[int]]:
         """Send one request and wait for its reply; returns the reply and the fds it carried."""
-        req_id = next(self._ids)
+        reply, fds = self._wait(self._send(op, fields))
+        if not reply.get("ok"):
+            for fd in fds:
+                os.close(fd)
+            raise from_wire(reply.get("error"))
+        return reply, fds
+
+    def send_unawaited(self, op: str, **fields: Any) -> None:
+        """Send one request without waiting for its reply, which is dropped when it is read (an
+        error logged): for what nothing after it depends on, like ending a lease left behind."""
+        with self._cond:
+            req_id = next(self._ids)
+            self._unawaited.add(req_id)
+        self._send(op, fields, req_id)
+
+    def _send(self, op: str, fields: dict[str, Any], req_id: int | None = None) -> int:
+        if req_id is None:
+            req_id = next(self._ids)
         data = wire.encode({"op": op, "id": req_id, **fields})
         with self._send_lock:
             if isinstance(self._broken, DaemonUnavailable) and not self._stop.is_set():
@@ -326,12 +221,7 @@ class Client:
                     self._send_again(data)
                 else:
                     self._fail(parting or DaemonUnavailable(f"connection to {self.path} lost ({e.strerror or e})"))
-        reply, fds = self._wait(req_id)
-        if not reply.get("ok"):
-            for fd in fds:
-                os.close(fd)
-            raise from_wire(reply.get("error"))
-        return reply, fds
+        return req_id
 
     def _send_again(self, data: bytes) -> None:
         try:
@@ -377,6 +267,12 @@ class Client:
                             self._latest[msg["series"]] = msg["generation"]
                         self._events.append(msg)
                         self._cond.notify_all()
+                    elif msg.get("id") in self._unawaited:
+                        self._unawaited.discard(msg["id"])
+                        for fd in fds:
+                            os.close(fd)
+                        if not msg.get("ok"):
+                            log.debug("wcd: a request not waited for failed: %s", msg.get("error"))
                     else:
                         self._replies[msg.get("id")] = (msg, fds)
                 return
@@ -430,11 +326,14 @@ class Client:
         with self._cond:
             self._leases.pop(lease.id, None)
 
-    def _end_lease(self, lease: Lease, op: str) -> None:
+    def _end_lease(self, lease: Lease, op: str, wait: bool = True) -> None:
         self._forget(lease)
         if lease.lost or self._broken is not None:
             return  # nothing left to end on the daemon's side
-        self.request(op, lease=lease.id)
+        if wait:
+            self.request(op, lease=lease.id)
+        else:
+            self.send_unawaited(op, lease=lease.id)
 
     def _heartbeat_loop(self) -> None:
         interval = self.lease_ttl_s / 3
@@ -455,77 +354,12 @@ class Client:
                     lease.lost = True
                     log.warning("wcd: lease %d on %s was lost (expired or daemon restarted)", lease_id, lease.entry)
 
-    def next_event(self, timeout: float | None = None) -> dict[str, Any] | None:
-        """The next announcement of a watched series (`watch`), waiting up to `timeout` s (None:
-        for ever); None if none came. Reads the socket itself when no other thread is reading,
-        at least once even with a timeout of 0. A connection the daemon closed (it restarted) is
-        opened again, watches included."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        tried = False
-        while True:
-            with self._cond:
-                while True:
-                    if self._events:
-                        return self._events.popleft()
-                    broken = self._broken
-                    if broken is not None and not isinstance(broken, DaemonUnavailable):
-                        raise broken
-                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                    if broken is None and tried and left is not None and left <= 0:
-                        return None
-                    if broken is None and not self._reading:
-                        self._reading = True
-                        break
-                    if broken is not None:
-                        break
-                    self._cond.wait(left)
-            if broken is not None:
-                self.ping()  # reconnects and watches again, or raises DaemonUnavailable
-                continue
-            try:
-                tried = True
-                self._read_for(left)
-            finally:
-                with self._cond:
-                    self._reading = False
-                    self._cond.notify_all()
-
     def _read_for(self, timeout: float | None) -> None:
         """`_read_some` once a frame has begun to arrive, waiting for that up to `timeout` s (None:
         for ever): an idle wait is not the socket's timeout, which would end the connection."""
         if not self._decoder.has_frame() and not _select.select([self.sock], [], [], timeout)[0]:
             return
         self._read_some()
-
-    def announced(self, series: str) -> int | None:
-        """The generation of `series` last announced or seen current on this connection."""
-        with self._cond:
-            return self._latest.get(series)
-
-    def watch(self, series: str) -> int:
-        """Be told (`next_event`) when a generation of `series` becomes current; its current one now (0: none)."""
-        generation = int(self.request("watch", series=series)["generation"])
-        self._watching.add(series)
-        with self._cond:
-            self._latest[series] = generation
-        return generation
-
-    def unwatch(self, series: str) -> None:
-        self.request("watch", series=series, stop=True)
-        self._watching.discard(series)
-
-    def rollback(self, series: str, generation: int | None = None) -> dict[str, Any]:
-        """Make a kept previous generation of `series` current again (its followers are told)."""
-        fields: dict[str, Any] = {"series": series}
-        if generation is not None:
-            fields["generation"] = generation
-        return self.request("rollback", **fields)
-
-    def follow(self, series: str, *, copy_into: Mapping[str, torch.Tensor] | None = None) -> Follower:
-        """Acquire the current generation of `series` and follow it (`wcd.follower.Follower`)."""
-        from wcd.follower import Follower
-
-        return Follower(self, series, copy_into)
 
     @property
     def leases(self) -> list[Lease]:
@@ -584,62 +418,6 @@ class Client:
         checked = {} if digest is None else {"digest": digest}
         reply, fds = self.request_fds("acquire", wait=wait, timeout_s=timeout_s, **_target(target), **checked)
         return self._track(Lease(self, reply, one_fd(fds)))
-
-    def _acquire_generation(self, series: str, generation: int | None, mapping: str) -> Lease:
-        """A lease on the current generation of `series`, or on generation `generation` of it."""
-        target = {"series": series} if generation is None else {"name": f"{series}@{generation}"}
-        reply, fds = self.request_fds("acquire", wait=False, **target)
-        return self._track(Lease(self, reply, one_fd(fds), mapping=mapping))
-
-    def reserve(self, key: WeightCacheKey, tensors: Mapping[str, tuple[Any, tuple[int, ...]]], *,
-                retention: str = "cached", series: str | None = None) -> FillLease:
-        """A fill lease on a fresh arena laid out for `tensors` ({name: (dtype, shape)})."""
-        from wcd.views import wire_dtype
-
-        rows = [(name, dtype if isinstance(dtype, str) else wire_dtype(dtype), list(shape))
-                for name, (dtype, shape) in tensors.items()]
-        columns = Manifest.build(rows).to_wire()  # cheap for the daemon to check at 10^5 tensors
-        listing: dict[str, Any] = {"columns": {k: columns[k] for k in TENSOR_COLUMNS}}
-        if series is not None:
-            listing["series"] = series
-        reply, fds = self.request_fds("reserve", key=key.model_dump(), retention=retention, **listing)
-        return self._track(FillLease(self, reply, one_fd(fds)))  # type: ignore[return-value]
-
-    def publish(self, key: WeightCacheKey, tensors: Mapping[str, torch.Tensor], *, retention: str = "cached",
-                series: str | None = None) -> str:
-        """Reserve, copy `tensors` in, commit. Returns the new entry's name. With `series`, the entry
-        is that series' next generation (`publish_generation`)."""
-        fill = self.reserve(key, {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()}, retention=retention,
-                            series=series)
-        try:
-            views = fill.tensors
-            for name, t in tensors.items():
-                views[name].copy_(t, non_blocking=True)
-            if views and next(iter(views.values())).is_cuda:
-                import torch
-
-                torch.cuda.synchronize(next(iter(views.values())).device)
-            del views
-            return fill.commit()
-        except BaseException:
-            fill.abort()
-            raise
-
-    def publish_generation(self, series: str, tensors: Mapping[str, torch.Tensor], *, device: str | None = None,
-                           retention: str = "cached") -> int:
-        """Publish `tensors` as the next generation of `series` and make it current; returns its
-        number. The first generation fixes the series' layout (names, dtypes, shapes, order);
-        each next one must match it. `device`: where the arena lives (default: the tensors' GPU,
-        by UUID, or host memory for CPU tensors)."""
-        from wcd.key import WeightCacheKey
-
-        if device is None:
-            from wcd.follower import device_of
-
-            device = device_of(tensors)
-        key = WeightCacheKey(model=series, transform="generations", device=device)
-        name = self.publish(key, tensors, retention=retention, series=series)
-        return int(name.rpartition("@")[2])
 
     # -- lifetime ---------------------------------------------------------------------------
 

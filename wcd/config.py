@@ -7,7 +7,9 @@ anything or touches devices: fractions like "90%" are resolved later against dev
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from collections.abc import Collection
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -30,7 +32,7 @@ from wcd.peers import group_gids
 from wcd.units import parse_size
 from wcd.wire import Retention
 
-__all__ = ["CONFIG_DIR", "RUN_DIR", "Config", "ModelConfig", "instance_config_path", "load_config"]
+__all__ = ["CONFIG_DIR", "RUN_DIR", "Config", "FleetConfig", "ModelConfig", "instance_config_path", "load_config"]
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 # What a device may be called: host memory, a CUDA ordinal, or a GPU UUID (`wcd.arenas.cudrv.resolve_gpu`).
 _DEVICE = re.compile(r"cpu|cuda(?::\d{1,4})?|GPU-[0-9A-Fa-f-]{1,64}")
@@ -195,11 +197,93 @@ class ModelConfig(BaseModel):
         return v.resolve()
 
 
+class FleetConfig(BaseModel):
+    """`[fleet]` (DESIGN §12): fill entries from peer daemons over NIXL; off when the section is
+    absent, and then nothing of `wcd.fleet` is imported. Peers prove the shared secret on the
+    control channel; what this daemon serves is only what `offer` names."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    listen: str  # "host:port" of the control channel (TCP) peers connect to
+    # The shared secret (at least 32 bytes): owned by the daemon's uid, readable by nobody else.
+    secret_file: Path
+    peers: Annotated[list[str], Field(max_length=64)] = []  # "host:port" of other daemons, asked in order
+    # Devices whose entries are served, each with the most bytes exported to peers at once.
+    offer: dict[str, Size] = {}
+    offer_published: bool = False  # published entries too (their publisher's bytes), not only loads
+    connect_timeout_s: Annotated[float, Field(gt=0, le=600)] = 5.0
+    # One fill from one peer must end by then: a cut link can leave a transfer hanging.
+    fetch_timeout_s: Annotated[float, Field(gt=0, le=24 * 3600)] = 600.0
+    max_connections: Annotated[int, Field(ge=1, le=65536)] = 256  # control connections from peers at once
+    # UCX_* environment of the transfer helpers, e.g. {UCX_TLS = "tcp", UCX_NET_DEVICES = "eth1"}.
+    ucx: dict[str, str] = {}
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, v: str) -> str:
+        parse_host_port(v)
+        return v
+
+    @field_validator("peers")
+    @classmethod
+    def _peers(cls, v: list[str]) -> list[str]:
+        for peer in v:
+            parse_host_port(peer)
+        return v
+
+    @field_validator("offer")
+    @classmethod
+    def _offer(cls, v: dict[str, int | str]) -> dict[str, int | str]:
+        for device, size in v.items():
+            try:
+                check_device(device)
+                if parse_size(size) <= 0:
+                    raise ValueError("must be more than 0 bytes")
+            except ValueError as e:
+                raise ValueError(f"{device}: {e}") from None
+        return v
+
+    @field_validator("ucx")
+    @classmethod
+    def _ucx(cls, v: dict[str, str]) -> dict[str, str]:
+        for name in v:
+            if not re.fullmatch(r"UCX_[A-Z0-9_]{1,64}", name):
+                raise ValueError(f"{name!r}: only UCX_* variables (upper case) belong here")
+        return v
+
+    def offered_bytes(self, device: str) -> int:
+        """The most bytes of `device` exported at once; 0 if it is not offered."""
+        size = self.offer.get(device)
+        return 0 if size is None else parse_size(size)
+
+    def read_secret(self, daemon_uid: int) -> bytes:
+        """The shared secret; `ConfigError` if its file is missing, short, or open to others."""
+        where = f"fleet.secret_file {self.secret_file}"
+        try:
+            fd = os.open(self.secret_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            raise ConfigError(f"{where}: cannot open it ({e.strerror}); write a random secret of 32 bytes "
+                              "or more there, mode 0600") from None
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != daemon_uid or st.st_mode & 0o077 or not stat.S_ISREG(st.st_mode):
+                raise ConfigError(f"{where}: must be a file owned by uid {daemon_uid} that no one else may read "
+                                  f"(it is uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}); chmod 600 it")
+            secret = os.read(fd, 4096).strip()
+        finally:
+            os.close(fd)
+        if len(secret) < 32:
+            raise ConfigError(f"{where}: holds {len(secret)} bytes; a shared secret needs 32 or more "
+                              "(e.g. `head -c 48 /dev/urandom | base64`)")
+        return secret
+
+
 class Config(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     daemon: DaemonConfig = DaemonConfig()
     models: list[ModelConfig] = []
+    fleet: FleetConfig | None = None
 
     @field_validator("models")
     @classmethod
@@ -217,6 +301,8 @@ def load_config(path: Path, instance: str | None = None, check_paths: bool = Tru
     `wcd.configfile.read_toml`). Raises `ConfigError` with one line naming the problem."""
     if data is None:
         data = read_toml(path)
+    # With a fleet, a configured checkpoint missing here may be filled from a peer that holds it.
+    check_paths = check_paths and "fleet" not in data
     try:
         config = Config.model_validate(data, context={"check_paths": check_paths})
     except ValidationError as e:

@@ -116,8 +116,8 @@ class Follower:
         old = self.lease
         self.lease = new if self._into is None else None
         self.generation = number
-        if old is not None:
-            old.release()
+        if old is not None:  # the engine is on the new generation: nothing waits for this
+            old.release(wait=False)
         self.taken_s = time.perf_counter() - started
         return True
 

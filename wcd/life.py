@@ -55,9 +55,10 @@ class Life:
         """Whether the fill, or the check after a restart, has not ended yet."""
         return self.phase in ("admitted", "filling", "checking")
 
-    def start_fill(self) -> Checkpoint:
-        """admitted -> filling: the checkpoint is the fill's to close from now on."""
-        assert self.phase == "admitted" and self.checkpoint is not None, self.phase
+    def start_fill(self) -> Checkpoint | None:
+        """admitted -> filling: the checkpoint is the fill's to close from now on (None: it is not on
+        this host, and only the fleet's peers can fill the entry)."""
+        assert self.phase == "admitted", self.phase
         ckpt, self.checkpoint, self.phase = self.checkpoint, None, "filling"
         return ckpt
 

@@ -176,6 +176,13 @@ class _StateCollector:
         for phase in LOAD_PHASES:
             phases.add_metric([phase], sum(1 for e in cache.entries.values()
                                            if e.state in ("loading", "evicting") and e.load_phase == phase))
+        rates = GaugeMetricFamily("wcd_fill_rate_bytes_per_second",
+                                  "How fast each entry was filled, and from where (disk, or a fleet peer)",
+                                  labels=["name", "source"])
+        for e in cache.entries.values():
+            if e.source:
+                rates.add_metric([e.name, e.source], e.fill_rate)
+        yield rates
         yield budget
         yield used
         yield outside

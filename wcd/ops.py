@@ -121,11 +121,12 @@ def status(ctx: Context, conn: Connection, req: protocol.Status) -> None:
     entries = _described(cache)
     conn.send(protocol.ok(
         req.id, version=__version__, instance=state.instance, pid=os.getpid(),
-        uptime_s=time.time() - state.started_at, socket=state.where, lease_ttl_s=cache.lease_ttl_s,
+        uptime_s=time.time() - state.started_at, socket=state.where, lease_ttl_s=cache.lease_book.ttl_s,
         devices=devices, entries=entries, leases=len(cache.leases), connections=len(state.connections),
         loading=[e["name"] for e in entries if e["state"] == "loading"],
         failed=[e["name"] for e in entries if e["state"] == "failed"], counters=dict(cache.stats),
-        series=_series(ctx)))
+        series=_series(ctx),
+        **({"fleet": ctx.residency.fleet.describe()} if ctx.residency.fleet is not None else {})))
 
 
 def list_entries(ctx: Context, conn: Connection, req: protocol.ListEntries) -> None:
@@ -172,7 +173,7 @@ def leases(ctx: Context, conn: Connection, req: protocol.Leases) -> None:
     cursor of the next page, None after the last."""
     cache = ctx.state.cache
     now = cache.clock()
-    page, cursor = cache.leases_page(None if ctx.is_admin(conn) else conn.uid, req.after, req.limit)
+    page, cursor = cache.lease_book.page(None if ctx.is_admin(conn) else conn.uid, req.after, req.limit)
     conn.send(protocol.ok(req.id, next=cursor, leases=[
         {"id": lease.id, "entry": lease.entry.name, "kind": lease.kind, "pid": lease.pid, "uid": lease.uid,
          "expires_in_s": round(lease.expires_at - now, 3) if math.isfinite(lease.expires_at) else None}
@@ -180,7 +181,7 @@ def leases(ctx: Context, conn: Connection, req: protocol.Leases) -> None:
 
 
 def heartbeat(ctx: Context, conn: Connection, req: protocol.Heartbeat) -> None:
-    conn.send(protocol.ok(req.id, lost=ctx.state.cache.heartbeat(conn, req.leases)))
+    conn.send(protocol.ok(req.id, lost=ctx.state.cache.lease_book.heartbeat(conn, req.leases)))
 
 
 def release(ctx: Context, conn: Connection, req: protocol.Release) -> None:
@@ -395,11 +396,11 @@ def _reserved_manifest(tensors: protocol.TensorColumns, generation: bool = False
 
 def _send_lease(ctx: Context, conn: Connection, req_id: int, lease: LeaseRecord) -> None:
     entry, arena = lease.entry, lease.entry.arena
-    ctx.state.cache.handed_out(lease)
+    ctx.state.cache.lease_book.handed_out(lease)
     conn.send(protocol.ok(
         req_id, lease=lease.id, kind=lease.kind, entry=entry.name, key=entry.key.model_dump(),
         origin=entry.origin, publisher_uid=entry.publisher, asked_by=entry.asked_by,
-        manifest=entry.manifest.wire(), ttl_s=ctx.state.cache.lease_ttl_s,
+        manifest=entry.manifest.wire(), ttl_s=ctx.state.cache.lease_book.ttl_s,
         arena={"kind": arena.kind, "size": arena.size, "device": arena.device}), [arena.fd()])
 
 

@@ -1,11 +1,13 @@
 """An entry's life in memory: admit -> fill -> ready -> park -> reclaim, and re-adoption after a restart.
 
-The one place that turns the cache's decisions (`wcd.cache`) into arena I/O: it allocates,
-fills, seals and closes arenas (in worker threads, never on the loop), and keeps each entry's
-life record (`wcd.life`), so that what an entry owns is closed in one step when the cache drops
-it (`reclaim`). Parking and re-adoption are `wcd.adoption`'s, verify `wcd.verifying`'s, device
-resolution `wcd.devices`'s, the worker-thread helpers `wcd.offloop`'s. Must not parse requests or
-touch client sockets; its background work runs in tasks the server owns (`spawn`).
+With its mixins, the one place that turns the cache's decisions (`wcd.cache`) into arena I/O:
+it allocates, fills, seals and closes arenas (in worker threads, never on the loop), and keeps
+each entry's life record (`wcd.life`), so that what an entry owns is closed in one step when the
+cache drops it (`reclaim`). Parking and re-adoption are `wcd.adoption`'s, reserve and commit of
+published entries `wcd.publishes`'s (`Adopting` and `Publishes` are the mixins), shutdown's
+closes `wcd.shutdown`'s, verify `wcd.verifying`'s, device resolution `wcd.devices`'s, the
+worker-thread helpers `wcd.offloop`'s. Must not parse requests or touch client sockets; its
+background work runs in tasks the server owns (`spawn`).
 
 Worker threads come from pools per kind of work, so a flood of long jobs never delays a short
 one: digests (verify, the digest after a commit) and fills each have their own pool; short jobs
@@ -17,31 +19,32 @@ waiter was cancelled is closed when the worker finishes.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import os
-import threading
 import time
 from collections.abc import Callable, Coroutine, Iterable
 from pathlib import Path
 from typing import Any
 
-from wcd import adoption, parking
-from wcd.arenas import Arena, ArenaBackend, backend_for, loaded_backends, released_held
-from wcd.cache import Entry, LeaseRecord, Origin, describe_expired
+from wcd import adoption, shutdown
+from wcd.adoption import Adopting
+from wcd.arenas import Arena, ArenaBackend, backend_for, released_held
+from wcd.cache import Entry, Origin
 from wcd.checkpoint import Checkpoint, Shards
 from wcd.config import ModelConfig
 from wcd.devices import Devices
-from wcd.errors import BadRequest, Busy, LoadFailed, NotFound, WcdError
+from wcd.errors import Busy, LoadFailed, NotFound, WcdError
 from wcd.header_helpers import HeaderHelpers
 from wcd.header_helpers import default_count as default_helpers
 from wcd.key import WeightCacheKey, first_fingerprint
+from wcd.leasebook import describe_expired
 from wcd.life import Life, life
 from wcd.loader import Cancelled, content_digest, default_workers, fill_arena
 from wcd.manifest import Manifest
 from wcd.metrics import Metrics
-from wcd.offloop import both, close_later, free_later, produced, using
+from wcd.offloop import both, free_later, produced, using
+from wcd.publishes import Publishes
 from wcd.state import ServerState
 from wcd.units import describe_progress, format_duration, format_size
 from wcd.verifying import Verification, Verifier
@@ -53,13 +56,10 @@ log = logging.getLogger("wcd")
 LOAD_LOG_EVERY_S = 10.0  # a load that takes longer says how far it got this often
 FILL_WORKERS = 4  # loads filling at once; each runs `load_workers` reader threads of its own
 Spawn = Callable[[Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]
-# How long shutdown waits for the driver to let go of arenas and lingering GPU staging: a hung
-# driver must not hold it until systemd's stop timeout; what is left goes with the process.
-RELEASE_WAIT_S = 5.0
 EXPIRY_BATCH = 1024  # leases the expiry task ends before it lets the loop answer others
 
 
-class Residency:
+class Residency(Adopting, Publishes):
     def __init__(self, state: ServerState, metrics: Metrics, spawn: Spawn) -> None:
         self.state = state
         self.cache = state.cache
@@ -80,6 +80,7 @@ class Residency:
         self.helpers = HeaderHelpers(default_helpers() if helpers is None else helpers)
         self._parse_with = self.helpers if self.helpers.count else None  # Checkpoint.open's `helpers`
         self._verifier = Verifier(self._digest_pool, self._parse_with)
+        self.fleet: Any = None  # `wcd.fleet.service.Fleet` when the config has [fleet]: peers before the disk
 
     def sized_at_start(self) -> dict[str, int]:
         """The config fields fixed when the daemon started, and their values in force."""
@@ -143,6 +144,11 @@ class Residency:
         canonical = self.canonical_device(device)
         self.devices.prepare(canonical)
         started = time.monotonic()
+        if self.fleet is not None and not path.exists():  # a peer may hold it: its key and layout, then its bytes
+            fields, manifest, peer = await self.fleet.describe_remote(name, str(path))
+            key = WeightCacheKey.model_validate({**fields, "device": canonical})
+            log.info("admitting %s: not on this host; key and layout from peer %s", name, peer)
+            return self._admitted(name, key, manifest, retention, origin, replacing, None)
         shards = await produced(lambda: Shards.open(path, follow_links))
         try:
             # The fingerprint hashes and reads with the GIL released (10 MB of headers at 100,000
@@ -161,13 +167,17 @@ class Residency:
                      len(ckpt.fds), opened - started, f" ({ckpt.helped} by helpers)" if ckpt.helped else "",
                      time.monotonic() - opened)
             key = WeightCacheKey(model=name, path=str(ckpt.path), fingerprint=fingerprinted[0], device=canonical)
-            nbytes = backend_for(canonical).arena_size(manifest.size, canonical)
-            if replacing is not None:
-                self.reclaim(self.cache.load_failed(replacing), "replaced by its model as configured now")
-            entry, victims = self.cache.admit(name, key, manifest, nbytes, retention, origin, publisher=os.getuid())
+            return self._admitted(name, key, manifest, retention, origin, replacing, ckpt)
         except BaseException:
             ckpt.close()
             raise
+
+    def _admitted(self, name: str, key: WeightCacheKey, manifest: Manifest, retention: Retention, origin: Origin,
+                  replacing: Entry | None, ckpt: Checkpoint | None) -> Entry:
+        nbytes = backend_for(key.device).arena_size(manifest.size, key.device)
+        if replacing is not None:
+            self.reclaim(self.cache.load_failed(replacing), "replaced by its model as configured now")
+        entry, victims = self.cache.admit(name, key, manifest, nbytes, retention, origin, publisher=os.getuid())
         self.reclaim(victims, f"least recently used, to make room for {name} ({format_size(nbytes)})")
         entry.life = Life(checkpoint=ckpt)
         return entry
@@ -181,7 +191,7 @@ class Residency:
         ckpt = life(entry).start_fill()
         manifest = entry.manifest
         log.info("loading %s: %s in %d tensors from %s to %s", entry.name, format_size(manifest.nbytes),
-                 len(manifest), ckpt.path, entry.device)
+                 len(manifest), entry.key.path, entry.device)
         started = time.monotonic()
         workers = self.state.config.daemon.load_workers or default_workers()
         entry.load_phase = "allocating"
@@ -190,19 +200,29 @@ class Residency:
         def fill(arena: Arena) -> None:
             # The plan walks every tensor (a while for 10^5): in the worker, not on the loop. Cold
             # files are read ahead while the writer is made.
+            assert ckpt is not None
             fill_arena(arena, ckpt, manifest, _EntryProgress(entry),
                        lambda: entry.state == "evicting", workers, entry.key.fingerprint, reads_ahead=True)
             arena.seal()
 
+        def create() -> Any:
+            return self._create(backend_for(entry.device), entry.device, entry.nbytes, entry.name)
+
         try:
-            entry.arena = await self._create(backend_for(entry.device), entry.device, entry.nbytes, entry.name)
+            entry.arena = await create()
             allocated = entry.reading_since = time.monotonic()
             entry.load_phase = "reading"
-            await using(self._fill_pool, entry.arena, fill)
+            # With a fleet, a peer that holds the same key fills it (checked, sealed) before the disk.
+            if self.fleet is None or not await self.fleet.fill(entry, create):
+                if ckpt is None:
+                    raise LoadFailed(f"no peer could fill {entry.name} and its checkpoint is not on this host")
+                entry.source = "disk"
+                await using(self._fill_pool, entry.arena, fill)
         except BaseException as e:
             reporter.cancel()
             entry.load_phase = ""
-            ckpt.close()
+            if ckpt is not None:
+                ckpt.close()
             if not isinstance(e, Exception):  # cancelled (shutdown)
                 self.reclaim(self.cache.load_failed(entry), "its load was cancelled (shutdown)")
                 raise
@@ -221,9 +241,12 @@ class Residency:
             raise error from e
         reporter.cancel()
         entry.load_phase = ""
-        ckpt.close()
-        _free_headers(ckpt)
+        if ckpt is not None:
+            ckpt.close()
+            _free_headers(ckpt)
         seconds = time.monotonic() - started
+        if entry.source == "disk":
+            entry.fill_rate = manifest.nbytes / max(seconds, 1e-9)
         self._metrics.loaded(entry.device, manifest.nbytes, seconds)
         log.info("loaded %s in %.2f s (%.2f GB/s; allocating %.3f s, copying %.3f s)", entry.name, seconds,
                  manifest.nbytes / max(seconds, 1e-9) / 1e9, allocated - started, seconds - (allocated - started))
@@ -265,77 +288,6 @@ class Residency:
         was cancelled (its client disconnected, shutdown) is closed when the worker is done."""
         return await produced(lambda: backend.create(device, size, label))
 
-    # -- publishing -------------------------------------------------------------------------
-
-    async def reserve(self, name: str, key: WeightCacheKey, manifest: Manifest, retention: Retention,
-                      owner: Any, pid: int, uid: int, series: str | None = None,
-                      admin: bool = False) -> LeaseRecord:
-        """Admit a published entry (carrying `uid`; with `series`, its next generation) and allocate
-        its empty arena: the fill lease, whose TTL starts when the caller hands it out
-        (`Cache.handed_out`)."""
-        backend = backend_for(key.device)
-        entry, lease, victims = self.cache.reserve(
-            name, key, manifest, backend.arena_size(manifest.size, key.device), retention, owner, pid, uid,
-            series, admin)
-        name = entry.name
-        self.reclaim(victims, f"least recently used, to make room for {name} ({format_size(entry.nbytes)}, "
-                     f"published by uid {uid})")
-        entry.life = Life(phase="filling")
-        try:
-            arena = await self._create(backend, key.device, entry.nbytes, name)
-        except BaseException:
-            self.reclaim(self.cache.load_failed(entry), "its arena could not be allocated")
-            raise
-        if self.cache.entries.get(name) is not entry:
-            close_later(arena)
-            raise NotFound(f"{name} went away while its arena was being allocated; nothing was reserved")
-        entry.arena = arena
-        return lease
-
-    async def commit(self, owner: Any, lease_id: int) -> Entry:
-        """Seal a filled arena and make its entry ready; `NotFound` if it was evicted while filling."""
-        lease = self.cache.leases.get(lease_id)
-        if lease is None or lease.owner is not owner or lease.kind != "fill":
-            self.cache.commit(owner, lease_id)  # raises the precise error
-        assert lease is not None
-        record = life(lease.entry)
-        if record.committing:
-            raise BadRequest(f"lease {lease_id} is already being committed", {"lease": lease_id})
-        if lease.entry.state != "evicting":
-            # Sealing scans the arena's pages (~25 ms per GB): off the loop. Busy if the publisher
-            # still maps it writable; the lease stays, so it can drop its views and commit again.
-            record.committing = True
-            try:
-                await using(None, lease.entry.arena, lambda arena: arena.seal())
-            except BadRequest:  # the arena is not what the daemon handed out: it is never published
-                if self.cache.leases.get(lease_id) is lease:
-                    self.reclaim(self.cache.abort(owner, lease_id), "its commit was refused: the arena is not the "
-                                 "one handed out")
-                raise
-            finally:
-                record.committing = False
-        entry, dropped = self.cache.commit(owner, lease_id)
-        if self.cache.entries.get(entry.name) is not entry:
-            self.reclaim(dropped, "evicted while it was being filled")
-            raise NotFound(f"{entry.name} was evicted while it was being filled; nothing was published")
-        self.reclaim(dropped, f"past keep_generations ({self.cache.keep_generations}) once {entry.name} became "
-                     "current")
-        self._set_ready(entry)
-        self._verifier.keep_digest(entry, "digest at commit")
-        return entry
-
-    def rollback(self, series: str, uid: int, admin: bool, to: int | None = None) -> Entry:
-        """Make a kept previous generation of `series` current again. The generations after it leave
-        systemd's fd store: a restart makes the newest generation it finds current."""
-        entry, dropped = self.cache.rollback(series, uid, admin, to)
-        self.reclaim(dropped, f"past keep_generations ({self.cache.keep_generations}) once {series} was rolled "
-                     f"back to {entry.name} (uid {uid})")
-        assert entry.series is not None
-        for newer in [e for g, e in entry.series.generations.items() if g > entry.generation]:
-            adoption.unpark(newer)
-        adoption.park(entry)  # a rollback forward again: the generation current now is kept again
-        return entry
-
     # -- verifying --------------------------------------------------------------------------
 
     async def content_digest(self, entry: Entry) -> str:
@@ -374,6 +326,8 @@ class Residency:
         name that comes next): end their lives (memory returns once clients unmap)."""
         for entry in entries:
             self.cache.note_reclaimed(entry.name, why)
+            if self.fleet is not None:
+                self.fleet.forget(entry)
             record = life(entry)
             if record.superseded:  # a reload changed its model while it was leased: load that now
                 record.superseded = False
@@ -449,140 +403,12 @@ class Residency:
     def _follow_links(self, name: str) -> bool:
         return any(m.follow_symlinks for m in self.state.config.models if m.name == name)
 
-    # -- systemd's fd store: re-adopt -------------------------------------------------------
-
-    def adopt_parked(self, fds: list[tuple[int, str]]) -> None:
-        """Re-adopt arenas systemd kept for us; drop (and unstore) anything unknown or corrupt.
-
-        Before READY only what takes microseconds per entry whatever its size and needs nothing
-        imported: the record less its manifest's layout. Each entry is then `loading`, without an
-        arena, charged to its budget under its name, so an engine that connects at once waits for it
-        and the configured model is not loaded again from disk; `start_checks` starts the rest
-        (opening the arena fd: a CUDA one needs cuda-bindings, an 18-25 ms import), once READY is out."""
-        adoption.sort_stored(fds, self._adopt)
-
-    def _adopt(self, rec: parking.ParkedEntry, fd: int) -> Entry:
-        """Admit a parked entry (state `loading`, its arena opened by `_check_adopted`); it owns `fd`."""
-        device = rec.key.device
-        if device not in self.cache.budgets:
-            raise BadRequest(f"device {device} is no longer configured")
-        # An empty manifest stands in until the check validates the record's; status shows the
-        # record's counts meanwhile, unvalidated (its dtype column has a byte per tensor).
-        entry, victims = self.cache.admit(rec.name, rec.key, Manifest.build(()), rec.arena_size, rec.retention,
-                                          rec.origin, rec.publisher if rec.origin == "publish" else os.getuid(),
-                                          adopted=True)
-        entry.asked_by = rec.asked_by
-        # systemd still holds the fds: never store them twice
-        entry.life = Life(phase="checking", adopted=(rec, fd), parked=True)
-        entry.load_phase = "checking"
-        self.reclaim(victims, f"least recently used, to make room for {rec.name} kept across a restart")
-        entry.notes = [adoption.ADOPTING_NOTE]
-        codes = rec.manifest_wire.get("dtypes")
-        entry.recorded_tensors = len(codes) if isinstance(codes, bytes) else None
-        return entry
-
-    def start_checks(self) -> None:
-        """Start checking the entries `adopt_parked` admitted, in the background. Called after READY:
-        started before, their worker threads' Python would compete with start-up's for the GIL."""
-        for entry in list(self.cache.entries.values()):
-            if life(entry).adopted is not None:
-                self._spawn(self._check_adopted(entry))
-
-    async def _check_adopted(self, entry: Entry) -> None:
-        """After READY: check a re-adopted entry (`adoption.check`); then it is ready. A failure
-        drops the entry and its fds with one line; a configured model is then loaded from disk,
-        and acquires waiting for the entry wait for that load instead."""
-        def gone() -> bool:  # dropped meanwhile (evicted twice, say): `reclaim` closed what it held
-            return self.cache.entries.get(entry.name) is not entry
-
-        try:
-            checked = await adoption.check(entry, self.devices.backend(entry.device),
-                                           self._follow_links(entry.name), gone)
-        except Exception as e:  # noqa: BLE001 - whatever went wrong, the entry must not stay unchecked
-            if gone():
-                return
-            log.warning("fd store: dropping %s: %s", entry.name,
-                        e.message if isinstance(e, WcdError) else f"{type(e).__name__}: {e}")
-            await self._drop_loading(entry, failed_check=True)
-            return
-        if checked is None or gone():
-            return
-        entry.manifest, entry.notes = checked
-        entry.done_bytes, entry.load_phase = entry.manifest.nbytes, ""
-        entry.recorded_tensors = None
-        layout = await asyncio.to_thread(entry.manifest.layout) if "series" in entry.key.extra else None
-        if gone():
-            return
-        if entry.state == "evicting":  # evicted while it was checked
-            await self._drop_loading(entry)
-            return
-        self.cache.loaded(entry)
-        if layout is not None:  # a generation rejoins its series before anything is served from it
-            try:
-                self.reclaim(self.cache.adopted_generation(entry, layout),
-                             f"past keep_generations ({self.cache.keep_generations}) once {entry.name} was adopted")
-            except BadRequest as e:
-                log.warning("fd store: dropping %s: %s", entry.name, e.message)
-                self.reclaim(self.cache.load_failed(entry), f"re-adopted but {e.message}")
-                return
-        if entry.origin == "publish":
-            self._verifier.keep_digest(entry, "digest at re-adoption after a restart")
-        self._set_ready(entry)
-        log.info("adopted %s from systemd's fd store (%s on %s, no disk read)%s", entry.name,
-                 format_size(entry.nbytes), entry.device, f"; {entry.notes[0]}" if entry.notes else "")
-
     # -- shutdown ---------------------------------------------------------------------------
 
     async def close(self) -> int:
-        """Close our descriptors without evicting: parked arenas stay in systemd's fd store for
-        the next start; the others' memory returns once clients unmap. Returns how many stay parked.
-        The closes and the release of lingering GPU contexts and staging call the driver: they run
-        in a thread of their own, waited for at most RELEASE_WAIT_S, then one line says what is left."""
-        for entry in self.cache.entries.values():  # adopted, never checked (start-up failed before READY)
-            record = life(entry)
-            if record.adopted is not None:
-                os.close(record.adopted[1])
-                record.adopted = None
-        for pool in self.pools:
-            pool.shutdown(wait=False, cancel_futures=True)
-        arenas = [(e.name, e.arena) for e in self.cache.entries.values() if e.arena is not None]
-        backends = loaded_backends()
-        arenas_left, staging_left = len(arenas), [what for b in backends for what in b.lingering()]
-        loop, released = asyncio.get_running_loop(), asyncio.Event()
-
-        def release() -> None:
-            nonlocal arenas_left, staging_left
-            try:
-                try:
-                    self.helpers.close()  # kills and reaps them: not on the loop
-                except Exception as e:  # noqa: BLE001 - shutting down: say it and go on
-                    log.warning("stopping the header helpers: %s", e)
-                for name, arena in arenas:
-                    try:
-                        arena.close()  # deferred while a worker holds it; its next read stops it
-                    except Exception as e:  # noqa: BLE001 - shutting down: say it and go on
-                        log.warning("closing the arena of %s: %s", name, getattr(e, "message", e))
-                    arenas_left -= 1
-                for backend in backends:
-                    try:
-                        backend.release()  # lingering GPU contexts and staging; a fill still running keeps its own
-                    except Exception as e:  # noqa: BLE001 - shutting down: say it and go on
-                        log.warning("releasing load staging: %s", getattr(e, "message", e))
-                staging_left = []
-            finally:
-                with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
-                    loop.call_soon_threadsafe(released.set)
-
-        # A daemon thread, not an executor's: the interpreter joins those at exit, hung or not.
-        threading.Thread(target=release, name="wcd-release", daemon=True).start()
-        try:
-            await asyncio.wait_for(released.wait(), RELEASE_WAIT_S)
-        except asyncio.TimeoutError:
-            n = arenas_left
-            what = ([f"{n} arena{'s' if n != 1 else ''}"] if n else []) + staging_left or ["the GPU load staging"]
-            log.warning("shutdown: the driver has not let go of %s after %g s (a hung GPU driver?); stopping "
-                        "without waiting: it goes when this process exits", " and ".join(what), RELEASE_WAIT_S)
-            self.hung = True
+        """Close our descriptors without evicting (`shutdown.release`): parked arenas stay in
+        systemd's fd store for the next start. Returns how many stay parked."""
+        self.hung = await shutdown.release(list(self.cache.entries.values()), self.pools, self.helpers)
         return sum(1 for e in self.cache.entries.values() if life(e).parked)
 
 

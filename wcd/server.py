@@ -35,7 +35,8 @@ from wcd.metrics import Metrics
 from wcd.metrics_http import MetricsHttp
 from wcd.peers import peer_gids
 from wcd.refusals import Refusals
-from wcd.residency import RELEASE_WAIT_S, Residency, ended
+from wcd.residency import Residency, ended
+from wcd.shutdown import RELEASE_WAIT_S
 from wcd.state import ServerState
 from wcd.units import counted, describe_progress, format_size
 
@@ -101,6 +102,11 @@ class Server:
         metrics = Metrics(self.state)
         self.residency = Residency(self.state, metrics, self._spawn)
         self._ops = ops.Context(self.state, self.residency, metrics)
+        if config.fleet is not None:  # only then: nothing of the fleet is imported otherwise
+            from wcd.fleet.service import Fleet
+
+            self.residency.fleet = Fleet(config.fleet, self.residency)
+            await self.residency.fleet.start()
         for sig, handler in ((signal.SIGTERM, self.stop), (signal.SIGINT, self.stop),
                              (signal.SIGHUP, lambda: self._spawn(self.reload()))):
             loop.add_signal_handler(sig, handler)
@@ -158,6 +164,8 @@ class Server:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self.residency.fleet is not None:
+            await self.residency.fleet.close()
         kept = await self.residency.close()
         log.info("stopped%s", f"; {kept} entries stay parked in systemd's fd store" if kept else "")
         self.notifier.close()
@@ -203,11 +211,11 @@ class Server:
         self.state.config = new
         self._allowed_gids = new.daemon.allowed_gids()
         self.refusals.forget()
-        cache.lease_ttl_s = new.daemon.lease_ttl_s
+        cache.lease_book.ttl_s = new.daemon.lease_ttl_s
         cache.max_entries = new.daemon.max_entries
         cache.keep_generations = new.daemon.keep_generations
         cache.max_entries_per_uid = new.daemon.max_entries_per_uid
-        cache.max_leases_per_uid = new.daemon.max_leases_per_uid
+        cache.lease_book.max_per_uid = new.daemon.max_leases_per_uid
         self.quotas.limits = self._limits(new)
         for model in fresh.values():
             if model.name not in cache.entries:
@@ -334,7 +342,7 @@ class Server:
                     conn.fail(ProtocolError(f"a request still not whole {daemon.frame_timeout_s:g} s after its first "
                                             "byte (frame_timeout_s): send each request whole"))
                 elif (now - conn.last_active > daemon.idle_timeout_s and not conn.tasks
-                      and not self.state.cache.leases_of(conn)):
+                      and not self.state.cache.lease_book.count_of(conn)):
                     # Quietly: the client library reconnects on its next request.
                     log.info("%r: idle for %g s without leases (idle_timeout_s); closing it", conn,
                              daemon.idle_timeout_s)

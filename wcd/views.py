@@ -9,12 +9,14 @@ This module imports torch; the daemon never imports it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import mmap
 import os
+import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import chain
 from typing import Any
 
@@ -71,6 +73,48 @@ def build_views(base: torch.Tensor, manifest: Manifest) -> dict[str, torch.Tenso
             else:
                 views.append(tb.as_strided((count, *shape), (step, *strides), offset).unbind(0))
         return dict(zip(manifest.names, chain.from_iterable(views)))
+
+
+def write_views(views: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]) -> None:
+    """Copy `tensors` into the arena's views of the same names (device to device on a GPU), each
+    of the view's dtype and shape: a `copy_` would otherwise broadcast or convert without a word."""
+    for name, t in tensors.items():
+        view = _reserved(views, name)
+        if t.dtype != view.dtype or t.shape != view.shape:
+            raise BadRequest(f"tensor {name!r} is {t.dtype} {tuple(t.shape)}, reserved as {view.dtype} "
+                             f"{tuple(view.shape)}")
+        view.copy_(t, non_blocking=True)
+    first = next(iter(views.values()), None)
+    if tensors and first is not None and first.is_cuda:
+        torch.cuda.synchronize(first.device)
+
+
+def write_through_fd(fd: int, manifest: Manifest, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Write CPU `tensors` into a host arena's memfd at their offsets (pwrite), checked as
+    `write_views` checks them: the arena is never mapped, so the kernel fills its pages without
+    a fault each and there are no page tables to tear down before the seal."""
+    at = {name: i for i, name in enumerate(manifest.names)}
+    for name, t in tensors.items():
+        i = _reserved(at, name)
+        dtype, shape = _torch_dtype(DTYPES[manifest.dtype_codes[i]]), manifest.shapes[manifest.shape_ids[i]]
+        if t.dtype != dtype or tuple(t.shape) != shape:
+            raise BadRequest(f"tensor {name!r} is {t.dtype} {tuple(t.shape)}, reserved as {dtype} {shape}")
+        nbytes = manifest.sizes[i]
+        if not nbytes:
+            continue
+        src = t.detach().resolve_conj().resolve_neg().contiguous()
+        data = memoryview((ctypes.c_char * nbytes).from_address(src.data_ptr())).cast("B")
+        done, offset = 0, manifest.offsets[i]
+        while done < nbytes:  # one pwrite moves at most 2 GiB
+            done += os.pwrite(fd, data[done:], offset + done)
+        del data, src
+
+
+def _reserved(reserved: Mapping[str, Any], name: str) -> Any:
+    found = reserved.get(name)
+    if found is None:
+        raise BadRequest(f"{name!r} is not one of the reserved tensors: reserve it with the others")
+    return found
 
 
 _Run = tuple[int, tuple[int, ...], tuple[int, ...], int, int, int]
@@ -150,20 +194,33 @@ class MappedArena:
 
 class HostMapping:
     """A host arena mapped so that another arena of the same size can replace it in place
-    (`remap`: mmap MAP_FIXED over the same range, one atomic step for the kernel). Mapped
-    MAP_PRIVATE like read leases. The range is unmapped when the last tensor over it is freed."""
+    (`remap`), mapped MAP_PRIVATE like read leases, at a 2 MiB boundary. The range is unmapped
+    when the last tensor over it is freed.
+
+    `remap` first moves the range's page tables out to a scratch range (`mremap` with
+    MREMAP_DONTUNMAP: the range stays mapped to the old arena, empty, refaulting from its file),
+    then maps the new arena over it (MAP_FIXED: the range is never unmapped). Tearing down the
+    page tables of an arena the engine has read is the costly part of a swap (one entry per 4 KiB
+    page); here it happens in a background thread (`_UNMAPPER`), off the swap. Where the move is
+    refused (a kernel before 5.13, a range split by the engine's own mprotect/madvise), the
+    MAP_FIXED alone swaps, tearing down in line."""
 
     def __init__(self, fd: int, size: int) -> None:
         self.size = size
+        self._span = _pages(size)
         _check_size(fd, size)
-        addr = _libc().mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, 0)
-        if addr in (None, _MAP_FAILED):
-            raise BadRequest(f"cannot map a host arena of {size} bytes: {os.strerror(ctypes.get_errno())}")
-        self.addr = int(addr)
+        self.addr = _reserve(self._span)
+        addr = _libc().mmap(ctypes.c_void_p(self.addr), size, mmap.PROT_READ | mmap.PROT_WRITE,
+                            mmap.MAP_PRIVATE | _MAP_FIXED, fd, 0)
+        if addr != self.addr:
+            error = ctypes.get_errno()
+            _munmap(self.addr, self._span)
+            raise BadRequest(f"cannot map a host arena of {size} bytes: {os.strerror(error)}")
         memory = (ctypes.c_uint8 * size).from_address(self.addr)
         self._finalizer = weakref.finalize(memory, _munmap, self.addr, size)
         self._finalizer.atexit = False
         self._base: torch.Tensor | None = torch.frombuffer(memory, dtype=torch.uint8)
+        self.moved = 0  # swaps whose page tables went to the background (the rest tore down in line)
 
     def take_base(self) -> torch.Tensor:
         base, self._base = self._base, None
@@ -176,10 +233,29 @@ class HostMapping:
         if not self._finalizer.alive:
             raise BadRequest("this host mapping is already unmapped")
         _check_size(fd, size)
+        scratch = self._move_out()
         addr = _libc().mmap(ctypes.c_void_p(self.addr), size, mmap.PROT_READ | mmap.PROT_WRITE,
                             mmap.MAP_PRIVATE | _MAP_FIXED, fd, 0)
+        error = ctypes.get_errno()
+        if scratch is not None:
+            _UNMAPPER.unmap(scratch, self._span)
         if addr != self.addr:  # Linux checks the file and the range before it unmaps anything
-            raise BadRequest(f"cannot map the new arena in place: {os.strerror(ctypes.get_errno())}")
+            raise BadRequest(f"cannot map the new arena in place: {os.strerror(error)}")
+        self.moved += scratch is not None
+
+    def _move_out(self) -> int | None:
+        """Move the range's page tables to a fresh scratch range, leaving the range mapped to the
+        same arena with none; the scratch range's address, or None where the kernel refuses."""
+        try:
+            scratch = _reserve(self._span)
+        except BadRequest:
+            return None
+        got = _libc().mremap(ctypes.c_void_p(self.addr), self._span, self._span,
+                             _MREMAP_MAYMOVE | _MREMAP_FIXED | _MREMAP_DONTUNMAP, ctypes.c_void_p(scratch))
+        if got != scratch:
+            _munmap(scratch, self._span)
+            return None
+        return scratch
 
     def close(self) -> None:
         self._base = None
@@ -187,7 +263,48 @@ class HostMapping:
             raise BufferError("tensors over this host arena are still referenced; it unmaps when the last one dies")
 
 
+class _Unmapper:
+    """Unmaps what swaps moved out, in one background thread at the lowest CPU priority: the
+    engine's next step, not the teardown of a generation it left, gets the cores."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._queue: list[tuple[int, int]] = []
+        self._busy = False
+        self._pid = 0  # the process whose thread serves the queue (a fork's child starts its own)
+
+    def unmap(self, addr: int, size: int) -> None:
+        with self._cond:
+            self._queue.append((addr, size))
+            if self._pid != os.getpid():
+                self._pid = os.getpid()
+                threading.Thread(target=self._run, name="wcd-unmap", daemon=True).start()
+            self._cond.notify()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Whether everything queued was unmapped within `timeout` seconds."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._queue and not self._busy, timeout)
+
+    def _run(self) -> None:
+        with contextlib.suppress(OSError):  # a priority that cannot be lowered leaves it as it was
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        while True:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+                self._cond.wait_for(lambda: bool(self._queue))
+                addr, size = self._queue.pop(0)
+                self._busy = True
+            _munmap(addr, size)
+
+
+_UNMAPPER = _Unmapper()
 _MAP_FIXED = 0x10
+_MAP_ANONYMOUS = 0x20
+_MAP_NORESERVE = 0x4000
+_MREMAP_MAYMOVE, _MREMAP_FIXED, _MREMAP_DONTUNMAP = 1, 2, 4
+_PMD = 2 << 20  # a range at this boundary moves whole page tables (one entry each), not pages
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _LIBC: ctypes.CDLL | None = None
 
@@ -199,9 +316,29 @@ def _libc() -> ctypes.CDLL:
         libc.mmap.restype = ctypes.c_void_p
         libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                               ctypes.c_long]
+        libc.mremap.restype = ctypes.c_void_p
+        libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         _LIBC = libc
     return _LIBC
+
+
+def _pages(size: int) -> int:
+    return -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def _reserve(span: int) -> int:
+    """`span` bytes of address space at a 2 MiB boundary, reserved (no access, no memory)."""
+    libc = _libc()
+    raw = libc.mmap(None, span + _PMD, 0, mmap.MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+    if raw in (None, _MAP_FAILED):
+        raise BadRequest(f"cannot reserve {span} bytes of address space: {os.strerror(ctypes.get_errno())}")
+    start = -(-raw // _PMD) * _PMD
+    if start > raw:
+        _munmap(raw, start - raw)
+    if raw + _PMD > start:
+        _munmap(start + span, raw + _PMD - start)
+    return start
 
 
 def _munmap(addr: int, size: int) -> None:

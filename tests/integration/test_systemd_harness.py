@@ -642,7 +642,7 @@ host.HostArena._release = lambda self: time.sleep(3600)
 def stops_after_the_bounded_wait(harness: FakeSystemd, says: str) -> None:
     """SIGTERM: the daemon exits cleanly after RELEASE_WAIT_S (not systemd's stop timeout), saying
     `says` once and no traceback."""
-    from wcd.residency import RELEASE_WAIT_S
+    from wcd.shutdown import RELEASE_WAIT_S
 
     started = time.monotonic()
     assert harness.stop() == 0

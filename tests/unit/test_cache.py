@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 
-from wcd.cache import Cache, Entry, LeaseRecord, describe_expired
+from wcd.cache import Cache, Entry, LeaseRecord
 from wcd.errors import BadRequest, Busy, KeyMismatch, LeaseExpired, NotFound, OutOfMemory, PermissionDenied
 from wcd.key import WeightCacheKey
+from wcd.leasebook import describe_expired
 from wcd.manifest import Manifest
 
 TTL = 10.0
@@ -283,13 +284,13 @@ def test_acquire_creates_a_read_lease(cache: Cache, clock: Clock) -> None:
 def test_lease_expires_after_ttl(cache: Cache, clock: Clock) -> None:
     e = admit(cache, "e", 100)
     lease = cache.acquire(e, "conn")
-    assert cache.next_expiry() == clock.now + TTL
+    assert cache.lease_book.next_expiry() == clock.now + TTL
     clock.tick(TTL - 1)
     assert cache.expire() == ([], [])
     clock.tick(1)  # exactly at the deadline
     expired, dropped = cache.expire()
     assert expired == [lease] and dropped == []
-    assert cache.leases == {} and e.leases == {} and cache.next_expiry() is None
+    assert cache.leases == {} and e.leases == {} and cache.lease_book.next_expiry() is None
     assert cache.stats["lease_expiries"] == 1
     assert "e" in cache.entries  # a cached entry outlives its leases
 
@@ -299,7 +300,7 @@ def test_heartbeat_renews(cache: Cache, clock: Clock) -> None:
     lease = cache.acquire(e, "conn")
     for _ in range(5):
         clock.tick(TTL * 0.8)
-        assert cache.heartbeat("conn", [lease.id]) == []
+        assert cache.lease_book.heartbeat("conn", [lease.id]) == []
         assert cache.expire() == ([], [])
     assert lease.expires_at == clock.now + TTL
     clock.tick(TTL)
@@ -312,7 +313,7 @@ def test_heartbeat_reports_lost_ids(cache: Cache, clock: Clock) -> None:
     cache.release("me", gone.id)
     before = theirs.expires_at
     clock.tick()
-    assert cache.heartbeat("me", [mine.id, theirs.id, gone.id, 999]) == [theirs.id, gone.id, 999]
+    assert cache.lease_book.heartbeat("me", [mine.id, theirs.id, gone.id, 999]) == [theirs.id, gone.id, 999]
     assert mine.expires_at == clock.now + TTL
     assert theirs.expires_at == before  # someone else's lease is not renewed
 
@@ -429,7 +430,7 @@ def test_fill_lease_ending_before_commit_drops_at_once(cache: Cache, clock: Cloc
     if how == "abort":
         dropped = cache.abort("conn", lease.id)
     elif how == "expire":
-        cache.handed_out(lease)
+        cache.lease_book.handed_out(lease)
         clock.tick(TTL)
         expired, dropped = cache.expire()
         assert expired == [lease]
@@ -446,7 +447,7 @@ def test_fill_lease_ttl_starts_when_handed_out(cache: Cache, clock: Clock) -> No
     entry, lease, _ = cache.reserve("p", key("p"), MANIFEST, 100, "cached", owner="conn")
     clock.tick(10 * TTL)
     assert cache.expire() == ([], [])
-    cache.handed_out(lease)
+    cache.lease_book.handed_out(lease)
     clock.tick(TTL / 2)
     assert cache.expire() == ([], [])
     clock.tick(TTL)
@@ -482,7 +483,7 @@ def test_who_may_evict(cache: Cache, origin: str, publisher: int, retention: str
 def test_heartbeat_keeps_a_fill_lease(cache: Cache, clock: Clock) -> None:
     entry, lease, _ = cache.reserve("p", key("p"), MANIFEST, 100, "cached", owner="conn")
     clock.tick(TTL - 1)
-    assert cache.heartbeat("conn", [lease.id]) == []
+    assert cache.lease_book.heartbeat("conn", [lease.id]) == []
     clock.tick(TTL - 1)
     assert cache.expire() == ([], [])
     assert cache.commit("conn", lease.id)[0].state == "ready"
@@ -591,18 +592,18 @@ def test_a_renewed_lease_is_requeued_not_expired(cache: Cache, clock: Clock) -> 
     e = admit(cache, "e", 100)
     kept, dropped = cache.acquire(e, "a"), cache.acquire(e, "b")
     clock.tick(TTL / 2)
-    assert cache.heartbeat("a", [kept.id]) == []
+    assert cache.lease_book.heartbeat("a", [kept.id]) == []
     clock.tick(TTL / 2)
     assert cache.expire() == ([dropped], [])
     clock.tick(TTL / 2)
     assert cache.expire() == ([kept], []) and cache.leases == {}
-    assert len(cache._deadlines) == 0  # every heap place was consumed
+    assert len(cache.lease_book._deadlines) == 0  # every heap place was consumed
 
 
 def test_a_shortened_ttl_takes_effect_at_the_next_heartbeat(cache: Cache, clock: Clock) -> None:
     lease = cache.acquire(admit(cache, "e", 100), "a")
-    cache.lease_ttl_s = 1.0
-    cache.heartbeat("a", [lease.id])
+    cache.lease_book.ttl_s = 1.0
+    cache.lease_book.heartbeat("a", [lease.id])
     clock.tick(1.0)
     assert cache.expire() == ([lease], [])
 
@@ -716,16 +717,16 @@ def test_leases_are_listed_a_page_at_a_time(cache: Cache) -> None:
     everyone = sorted(cache.leases)
     seen, after = [], 0
     while True:
-        page, after = cache.leases_page(None, after, 3)  # type: ignore[assignment]
+        page, after = cache.lease_book.page(None, after, 3)  # type: ignore[assignment]
         seen += [lease.id for lease in page]
         if after is None:
             break
     assert seen == everyone
-    page, cursor = cache.leases_page(1001, 0, 2)
+    page, cursor = cache.lease_book.page(1001, 0, 2)
     assert [lease.id for lease in page] == [i for i in mine if cache.leases[i].uid == 1001][:2]
-    rest, end = cache.leases_page(1001, cursor, 10)  # type: ignore[arg-type]
+    rest, end = cache.lease_book.page(1001, cursor, 10)  # type: ignore[arg-type]
     assert {lease.uid for lease in page + rest} == {1001} and end is None and len(page + rest) == 3
-    assert cache.leases_page(4242, 0, 10) == ([], None)
+    assert cache.lease_book.page(4242, 0, 10) == ([], None)
 
 
 def test_leases_expire_in_batches_and_are_told_in_one_line(cache: Cache, clock: Clock) -> None:

@@ -19,11 +19,12 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("formats", ("wcd.manifest", "wcd.wire", "wcd.headers", "wcd.header_helpers", "wcd.checkpoint", "wcd.key")),
     ("arenas", ("wcd.arenas", "wcd.arenas.*")),
     ("loader", ("wcd.loader",)),
-    ("daemon", ("wcd.config", "wcd.series", "wcd.cache", "wcd.protocol", "wcd.connection", "wcd.state", "wcd.metrics",
-                "wcd.metrics_http", "wcd.parking", "wcd.residency", "wcd.life", "wcd.adoption", "wcd.verifying",
-                "wcd.watch", "wcd.devices", "wcd.refusals", "wcd.socketpath", "wcd.ops", "wcd.server")),
-    ("clients", ("wcd.views", "wcd.replies", "wcd.client", "wcd.follower", "wcd.demo", "wcd.integrations",
-                 "wcd.integrations.*")),
+    ("daemon", ("wcd.config", "wcd.series", "wcd.entry", "wcd.leasebook", "wcd.cache", "wcd.protocol",
+                "wcd.connection", "wcd.state", "wcd.metrics", "wcd.metrics_http", "wcd.parking", "wcd.shutdown",
+                "wcd.publishes", "wcd.residency", "wcd.life", "wcd.adoption", "wcd.verifying", "wcd.watch",
+                "wcd.devices", "wcd.refusals", "wcd.socketpath", "wcd.ops", "wcd.server", "wcd.fleet", "wcd.fleet.*")),
+    ("clients", ("wcd.views", "wcd.replies", "wcd.lease", "wcd.publishing", "wcd.client", "wcd.follower",
+                 "wcd.demo", "wcd.integrations", "wcd.integrations.*")),
     ("commands", ("wcd.cli", "wcd.cli.*", "wcd.__main__")),
 )
 

@@ -1,4 +1,4 @@
-"""`Residency.close` at shutdown, with fake backends: the driver calls it makes run off the loop,
+"""`Residency.close` at shutdown (`wcd.shutdown`), with fake backends: the driver calls it makes run off the loop,
 and a hung driver holds shutdown for RELEASE_WAIT_S at most."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from wcd import residency
+from wcd import residency, shutdown
 from wcd.cache import Cache
 from wcd.config import Config
 from wcd.metrics import Metrics
@@ -68,8 +68,8 @@ async def close_and_answer_pings(res: Residency) -> tuple[int, float, int]:
 def test_a_hung_driver_holds_shutdown_for_the_bounded_wait_then_one_line_says_what_is_left(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     stuck = StuckBackend()
-    monkeypatch.setattr(residency, "loaded_backends", lambda: [stuck])
-    monkeypatch.setattr(residency, "RELEASE_WAIT_S", 0.3)
+    monkeypatch.setattr(shutdown, "loaded_backends", lambda: [stuck])
+    monkeypatch.setattr(shutdown, "RELEASE_WAIT_S", 0.3)
     caplog.set_level(logging.INFO, logger="wcd")
     try:
         kept, took, turns = asyncio.run(close_and_answer_pings(make_residency()))
@@ -87,10 +87,10 @@ def test_a_hung_driver_holds_shutdown_for_the_bounded_wait_then_one_line_says_wh
 def test_a_release_that_fails_is_one_line_and_shutdown_goes_on(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     failing = StuckBackend(fails=True)
-    monkeypatch.setattr(residency, "loaded_backends", lambda: [failing])
+    monkeypatch.setattr(shutdown, "loaded_backends", lambda: [failing])
     caplog.set_level(logging.INFO, logger="wcd")
     kept, took, _ = asyncio.run(close_and_answer_pings(make_residency()))
-    assert kept == 0 and took < residency.RELEASE_WAIT_S
+    assert kept == 0 and took < shutdown.RELEASE_WAIT_S
     [line] = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert line.getMessage() == "releasing load staging: CUDA cuDevicePrimaryCtxRelease failed: CUDA_ERROR_UNKNOWN"
     assert line.exc_info is None

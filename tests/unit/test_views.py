@@ -3,7 +3,9 @@ tensor would, whatever the layout (runs, interleaved shapes, gaps, scalars, zero
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
+import mmap
 import os
 import struct
 from typing import Any
@@ -13,10 +15,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from wcd import views
 from wcd.arenas.base import SEALS, SIZE_SEALS
 from wcd.errors import WcdError
 from wcd.manifest import ALIGN, DTYPES, Manifest
-from wcd.views import TORCH_DTYPES, build_views, map_arena
+from wcd.views import _UNMAPPER, TORCH_DTYPES, HostMapping, build_views, map_arena
 
 SETTINGS = settings(max_examples=80, deadline=None)
 
@@ -127,3 +130,108 @@ def test_host_arenas_are_mapped_only_when_sealed_as_they_must_be(seals: int, siz
             os.fstat(fd)  # map_arena took ownership
     finally:
         os.close(probe)
+
+
+def _generation(name: str, value: int, size: int) -> int:
+    """A sealed memfd of `size` bytes, every byte `value`, named so /proc/self/maps shows it."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    os.pwrite(fd, bytes([value]) * size, 0)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    return fd
+
+
+def _mapped(name: str) -> int:
+    """How many ranges of this process map the memfd called `name`."""
+    with open("/proc/self/maps") as maps:
+        return sum(f"/memfd:{name} " in line for line in maps)
+
+
+SWAP_SIZE = 8 << 20  # four page tables' worth: the move takes whole tables
+
+
+def test_a_host_swap_moves_the_old_page_tables_out_and_unmaps_them_in_the_background() -> None:
+    """The swap maps the new generation over the same range without tearing down the old one's
+    page tables there (they move out, to be unmapped by the background thread): the views read
+    the new bytes at once, and the old generation is mapped nowhere once the thread is done."""
+    old, new = f"gen1-{os.getpid()}", f"gen2-{os.getpid()}"
+    fds = [_generation(old, 1, SWAP_SIZE), _generation(new, 2, SWAP_SIZE)]
+    try:
+        host = HostMapping(fds[0], SWAP_SIZE)
+        base = host.take_base()
+        assert host.addr % (2 << 20) == 0  # whole page tables can move
+        assert int(base[::4096].sum()) == SWAP_SIZE // 4096  # every page read: its tables are full
+        assert _UNMAPPER.wait_idle(10)
+        host.remap(fds[1], SWAP_SIZE)
+        assert host.moved == 1 and base.data_ptr() == host.addr
+        assert int(base[::4096].sum()) == 2 * (SWAP_SIZE // 4096) and int(base[-1]) == 2
+        assert _UNMAPPER.wait_idle(10)
+        assert _mapped(old) == 0 and _mapped(new) == 1
+        host.remap(fds[0], SWAP_SIZE)  # and back: a rollback is the same step
+        assert host.moved == 2 and int(base[::4096].sum()) == SWAP_SIZE // 4096
+        assert _UNMAPPER.wait_idle(10) and _mapped(new) == 0
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def test_a_host_range_the_kernel_cannot_move_is_swapped_in_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the kernel refuses the move (before 5.13 MREMAP_DONTUNMAP takes anonymous memory
+    only; before 6.17 no range the engine split with mprotect), MAP_FIXED alone replaces all of
+    the range, split or not."""
+    fds = [_generation(f"split1-{os.getpid()}", 1, SWAP_SIZE), _generation(f"split2-{os.getpid()}", 2, SWAP_SIZE)]
+    real = views._libc()
+
+    class Refusing:
+        mmap, munmap = real.mmap, real.munmap
+
+        @staticmethod
+        def mremap(*args: Any) -> Any:
+            ctypes.set_errno(22)
+            return views._MAP_FAILED
+
+    try:
+        host = HostMapping(fds[0], SWAP_SIZE)
+        base = host.take_base()
+        assert real.mprotect(ctypes.c_void_p(host.addr), 4096, mmap.PROT_READ) == 0
+        monkeypatch.setattr(views, "_libc", lambda: Refusing)
+        host.remap(fds[1], SWAP_SIZE)
+        assert host.moved == 0
+        assert int(base[::4096].sum()) == 2 * (SWAP_SIZE // 4096)
+        base[0] = 7  # writable again, as the whole new range is (MAP_PRIVATE: the arena is untouched)
+        assert os.pread(fds[1], 1, 0) == b"\x02"
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def test_a_host_swap_that_fails_after_the_move_leaves_the_old_generation_whole(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The move leaves the range mapped to the old generation: if mapping the new one then fails,
+    the views still read every old byte (refaulted from its memfd) and nothing is left mapped."""
+    name = f"keep1-{os.getpid()}"
+    fds = [_generation(name, 1, SWAP_SIZE), _generation(f"keep2-{os.getpid()}", 2, SWAP_SIZE)]
+    try:
+        host = HostMapping(fds[0], SWAP_SIZE)
+        base = host.take_base()
+        assert int(base[::4096].sum()) == SWAP_SIZE // 4096
+        real = views._libc()
+
+        class Failing:
+            mremap, munmap = real.mremap, real.munmap
+
+            @staticmethod
+            def mmap(*args: Any) -> Any:
+                if args[0] is not None and args[3] & views._MAP_FIXED:
+                    ctypes.set_errno(12)
+                    return views._MAP_FAILED
+                return real.mmap(*args)
+
+        monkeypatch.setattr(views, "_libc", lambda: Failing)
+        with pytest.raises(WcdError, match="cannot map the new arena in place"):
+            host.remap(fds[1], SWAP_SIZE)
+        assert int(base[::4096].sum()) == SWAP_SIZE // 4096 and int(base[-1]) == 1
+        assert _UNMAPPER.wait_idle(10) and _mapped(name) == 1  # the range itself; the moved tables are gone
+    finally:
+        for fd in fds:
+            os.close(fd)
