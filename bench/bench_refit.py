@@ -117,15 +117,15 @@ def publish(client: Any, layout: list[tuple[str, tuple[int, ...]]], tensors: dic
     probe = {"": torch.empty(1, device=device)} if isinstance(tensors, float) else tensors
     where = device_of(probe)
     fill = client.reserve(WeightCacheKey(model=SERIES, transform="generations", device=where),
-                          {n: (torch.bfloat16, s) for n, s in layout}, series=SERIES)
-    views = fill.tensors
-    for n in views:
-        if isinstance(tensors, float):
+                          {n: (torch.bfloat16, s) for n, s in layout}, series=SERIES, mapped=False)
+    if isinstance(tensors, float):
+        views = fill.tensors
+        for n in views:
             views[n].fill_(tensors)
-        else:
-            views[n].copy_(tensors[n], non_blocking=True)
-    sync(device)
-    del views
+        sync(device)
+        del views
+    else:
+        fill.write(tensors)  # what `publish_generation` does: host tensors into a host arena by pwrite
     committing = time.monotonic()
     fill.commit()
     return time.monotonic() - started, committing

@@ -85,6 +85,7 @@ class Client(Publishing):
         self._send_lock = threading.RLock()  # reentrant: a reconnect sends hello while holding it
         self._cond = threading.Condition()
         self._replies: dict[int | None, tuple[dict[str, Any], list[int]]] = {}
+        self._unawaited: set[int] = set()  # requests whose replies are dropped as they are read
         self._reading = False
         self._broken: WcdError | None = None
         self._decoder = wire.FrameDecoder(max_array=wire.MAX_REPLY_ARRAY)
@@ -139,6 +140,7 @@ class Client(Publishing):
                 for fd in fds:
                     os.close(fd)
             self._replies.clear()
+            self._unawaited.clear()
         for lease in lost:
             lease.lost = True
         self.sock.close()
@@ -183,7 +185,24 @@ class Client(Publishing):
 
     def request_fds(self, op: str, **fields: Any) -> tuple[dict[str, Any], list[int]]:
         """Send one request and wait for its reply; returns the reply and the fds it carried."""
-        req_id = next(self._ids)
+        reply, fds = self._wait(self._send(op, fields))
+        if not reply.get("ok"):
+            for fd in fds:
+                os.close(fd)
+            raise from_wire(reply.get("error"))
+        return reply, fds
+
+    def send_unawaited(self, op: str, **fields: Any) -> None:
+        """Send one request without waiting for its reply, which is dropped when it is read (an
+        error logged): for what nothing after it depends on, like ending a lease left behind."""
+        with self._cond:
+            req_id = next(self._ids)
+            self._unawaited.add(req_id)
+        self._send(op, fields, req_id)
+
+    def _send(self, op: str, fields: dict[str, Any], req_id: int | None = None) -> int:
+        if req_id is None:
+            req_id = next(self._ids)
         data = wire.encode({"op": op, "id": req_id, **fields})
         with self._send_lock:
             if isinstance(self._broken, DaemonUnavailable) and not self._stop.is_set():
@@ -202,12 +221,7 @@ class Client(Publishing):
                     self._send_again(data)
                 else:
                     self._fail(parting or DaemonUnavailable(f"connection to {self.path} lost ({e.strerror or e})"))
-        reply, fds = self._wait(req_id)
-        if not reply.get("ok"):
-            for fd in fds:
-                os.close(fd)
-            raise from_wire(reply.get("error"))
-        return reply, fds
+        return req_id
 
     def _send_again(self, data: bytes) -> None:
         try:
@@ -253,6 +267,12 @@ class Client(Publishing):
                             self._latest[msg["series"]] = msg["generation"]
                         self._events.append(msg)
                         self._cond.notify_all()
+                    elif msg.get("id") in self._unawaited:
+                        self._unawaited.discard(msg["id"])
+                        for fd in fds:
+                            os.close(fd)
+                        if not msg.get("ok"):
+                            log.debug("wcd: a request not waited for failed: %s", msg.get("error"))
                     else:
                         self._replies[msg.get("id")] = (msg, fds)
                 return
@@ -306,11 +326,14 @@ class Client(Publishing):
         with self._cond:
             self._leases.pop(lease.id, None)
 
-    def _end_lease(self, lease: Lease, op: str) -> None:
+    def _end_lease(self, lease: Lease, op: str, wait: bool = True) -> None:
         self._forget(lease)
         if lease.lost or self._broken is not None:
             return  # nothing left to end on the daemon's side
-        self.request(op, lease=lease.id)
+        if wait:
+            self.request(op, lease=lease.id)
+        else:
+            self.send_unawaited(op, lease=lease.id)
 
     def _heartbeat_loop(self) -> None:
         interval = self.lease_ttl_s / 3

@@ -5,6 +5,7 @@ there (`from wcd.client import Lease`)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from wcd.errors import WcdError
@@ -24,7 +25,7 @@ class Holder(Protocol):
 
     def _forget(self, lease: Lease) -> None: ...
 
-    def _end_lease(self, lease: Lease, op: str) -> None: ...
+    def _end_lease(self, lease: Lease, op: str, wait: bool = True) -> None: ...
 
     def close(self) -> None: ...
 
@@ -92,7 +93,9 @@ class Lease:
             raise WcdError(f"lease {self.id} on {self.entry} is released: its views are gone")
         return self._mapped.tensors
 
-    def release(self) -> None:
+    def release(self, wait: bool = True) -> None:
+        """End the lease. `wait=False`: without waiting for the daemon's answer (it ends the lease
+        before anything this connection sends next)."""
         if self.released:
             return
         self.released = True
@@ -100,7 +103,7 @@ class Lease:
             self._mapped.close()
             self._mapped = None
         self._close_fd()
-        self.client._end_lease(self, "release")
+        self.client._end_lease(self, "release", wait)
 
     def _close_fd(self) -> None:
         if self._arena_fd is not None:
@@ -123,15 +126,43 @@ class Lease:
 
 
 class FillLease(Lease):
-    """A fill lease from `reserve`: writable views of a fresh arena; `commit()` or `abort()`."""
+    """A fill lease from `reserve`: a fresh arena to write (`write`, or writable `tensors`
+    views); `commit()` or `abort()`. Reserved with `mapped=False`, the arena is mapped only if
+    `tensors` is asked for."""
 
     kind = "fill"
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        if self._mapped is None and self._arena_fd is not None and not self.released:
+            from wcd.views import map_arena
+
+            fd, self._arena_fd = self._arena_fd, None
+            with decoding(f"the arena of {self.entry!r}"):
+                self._mapped = map_arena(self.arena, fd, self.manifest, writable=True)
+        return super().tensors
+
+    def write(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy `tensors` ({name: tensor} with the reserved dtypes and shapes) into the arena.
+        CPU tensors into a host arena not mapped here go through its descriptor (pwrite): no page
+        faults, and no mapping whose page tables `commit` must tear down before the daemon can
+        seal the arena. Anything else is copied through the views (device to device on a GPU)."""
+        if self.released:
+            raise WcdError(f"lease {self.id} on {self.entry} is committed or aborted: nothing can be written")
+        from wcd.views import write_through_fd, write_views
+
+        if (self._mapped is None and self._arena_fd is not None and self.arena.get("kind") == "host"
+                and all(t.device.type == "cpu" for t in tensors.values())):
+            write_through_fd(self._arena_fd, self.manifest, tensors)
+        else:
+            write_views(self.tensors, tensors)
 
     def commit(self) -> str:
         """Make the entry ready for everyone. Every reference to `tensors` must be dropped first."""
         if self._mapped is not None:
             self._mapped.unmap_writable()
             self._mapped = None
+        self._close_fd()
         reply = self.client.request("commit", lease=self.id)
         self.released = True
         self.client._forget(self)
@@ -141,11 +172,12 @@ class FillLease(Lease):
         if self._mapped is not None:
             self._mapped.close()
             self._mapped = None
+        self._close_fd()
         if not self.released:
             self.released = True
             self.client._end_lease(self, "abort")
 
-    def release(self) -> None:
+    def release(self, wait: bool = True) -> None:
         self.abort()
 
     def __exit__(self, *exc: object) -> None:

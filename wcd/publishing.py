@@ -46,7 +46,7 @@ class Publishing:
 
         def _forget(self, lease: Lease) -> None: ...
 
-        def _end_lease(self, lease: Lease, op: str) -> None: ...
+        def _end_lease(self, lease: Lease, op: str, wait: bool = True) -> None: ...
 
         def close(self) -> None: ...
 
@@ -128,8 +128,10 @@ class Publishing:
     # -- publishing -------------------------------------------------------------------------
 
     def reserve(self, key: WeightCacheKey, tensors: Mapping[str, tuple[Any, tuple[int, ...]]], *,
-                retention: str = "cached", series: str | None = None) -> FillLease:
-        """A fill lease on a fresh arena laid out for `tensors` ({name: (dtype, shape)})."""
+                retention: str = "cached", series: str | None = None, mapped: bool = True) -> FillLease:
+        """A fill lease on a fresh arena laid out for `tensors` ({name: (dtype, shape)}).
+        `mapped=False`: map it only if its `tensors` are asked for (`FillLease.write` writes a
+        host arena through its descriptor)."""
         from wcd.views import wire_dtype
 
         rows = [(name, dtype if isinstance(dtype, str) else wire_dtype(dtype), list(shape))
@@ -139,23 +141,16 @@ class Publishing:
         if series is not None:
             listing["series"] = series
         reply, fds = self.request_fds("reserve", key=key.model_dump(), retention=retention, **listing)
-        return self._track(FillLease(self, reply, one_fd(fds)))  # type: ignore[return-value]
+        return self._track(FillLease(self, reply, one_fd(fds), "map" if mapped else "fd"))  # type: ignore[return-value]
 
     def publish(self, key: WeightCacheKey, tensors: Mapping[str, torch.Tensor], *, retention: str = "cached",
                 series: str | None = None) -> str:
         """Reserve, copy `tensors` in, commit. Returns the new entry's name. With `series`, the entry
         is that series' next generation (`publish_generation`)."""
         fill = self.reserve(key, {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()}, retention=retention,
-                            series=series)
+                            series=series, mapped=False)
         try:
-            views = fill.tensors
-            for name, t in tensors.items():
-                views[name].copy_(t, non_blocking=True)
-            if views and next(iter(views.values())).is_cuda:
-                import torch
-
-                torch.cuda.synchronize(next(iter(views.values())).device)
-            del views
+            fill.write(tensors)
             return fill.commit()
         except BaseException:
             fill.abort()

@@ -16,7 +16,7 @@ import mmap
 import os
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import chain
 from typing import Any
 
@@ -73,6 +73,82 @@ def build_views(base: torch.Tensor, manifest: Manifest) -> dict[str, torch.Tenso
             else:
                 views.append(tb.as_strided((count, *shape), (step, *strides), offset).unbind(0))
         return dict(zip(manifest.names, chain.from_iterable(views)))
+
+
+def write_views(views: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]) -> None:
+    """Copy `tensors` into the arena's views of the same names (device to device on a GPU), each
+    of the view's dtype and shape: a `copy_` would otherwise broadcast or convert without a word."""
+    for name, t in tensors.items():
+        view = _reserved(views, name)
+        if t.dtype != view.dtype or t.shape != view.shape:
+            raise BadRequest(f"tensor {name!r} is {t.dtype} {tuple(t.shape)}, reserved as {view.dtype} "
+                             f"{tuple(view.shape)}")
+        view.copy_(t, non_blocking=True)
+    first = next(iter(views.values()), None)
+    if tensors and first is not None and first.is_cuda:
+        torch.cuda.synchronize(first.device)
+
+
+def write_through_fd(fd: int, manifest: Manifest, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Write CPU `tensors` into a host arena's memfd at their offsets (pwrite), checked as
+    `write_views` checks them: the arena is never mapped, so the kernel fills its pages without
+    a fault each and there are no page tables to tear down before the seal."""
+    at = {name: i for i, name in enumerate(manifest.names)}
+    for name, t in tensors.items():
+        i = _reserved(at, name)
+        dtype, shape = _torch_dtype(DTYPES[manifest.dtype_codes[i]]), manifest.shapes[manifest.shape_ids[i]]
+        if t.dtype != dtype or tuple(t.shape) != shape:
+            raise BadRequest(f"tensor {name!r} is {t.dtype} {tuple(t.shape)}, reserved as {dtype} {shape}")
+        nbytes = manifest.sizes[i]
+        if not nbytes:
+            continue
+        src = t.detach().resolve_conj().resolve_neg().contiguous()
+        data = memoryview((ctypes.c_char * nbytes).from_address(src.data_ptr())).cast("B")
+        done, offset = 0, manifest.offsets[i]
+        while done < nbytes:  # one pwrite moves at most 2 GiB
+            done += os.pwrite(fd, data[done:], offset + done)
+        del data, src
+
+
+def read_through_fd(fd: int, manifest: Manifest, into: Mapping[str, torch.Tensor]) -> None:
+    """Read a host arena's tensors from its memfd into `into`'s contiguous CPU tensors of the
+    same names (pread: one kernel copy each, and no mapping of the arena whose pages would each
+    fault in, then be torn down). The caller has checked names, dtypes and shapes."""
+    at = {name: i for i, name in enumerate(manifest.names)}
+    for name, t in into.items():
+        i, nbytes = at[name], t.numel() * t.element_size()
+        if nbytes != manifest.sizes[i]:
+            raise BadRequest(f"tensor {name!r} holds {nbytes} bytes, the arena's {manifest.sizes[i]}")
+        if not nbytes:
+            continue
+        data = memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
+        done, offset = 0, manifest.offsets[i]
+        while done < nbytes:
+            got = os.preadv(fd, [data[done:]], offset + done)
+            if got <= 0:
+                raise BadRequest(f"the arena ends inside tensor {name!r}")
+            done += got
+        del data
+
+
+def copy_all(into: Mapping[str, torch.Tensor], source: Mapping[str, torch.Tensor]) -> None:
+    """`into[name].copy_(source[name])` for every name, as few calls as torch allows (one
+    `_foreach_copy_` per device rather than a Python call and a launch per tensor)."""
+    names = list(into)
+    dst, src = [into[n] for n in names], [source[n] for n in names]
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is not None and dst:
+        foreach(dst, src, non_blocking=True)
+    else:
+        for d, s in zip(dst, src):
+            d.copy_(s, non_blocking=True)
+
+
+def _reserved(reserved: Mapping[str, Any], name: str) -> Any:
+    found = reserved.get(name)
+    if found is None:
+        raise BadRequest(f"{name!r} is not one of the reserved tensors: reserve it with the others")
+    return found
 
 
 _Run = tuple[int, tuple[int, ...], tuple[int, ...], int, int, int]

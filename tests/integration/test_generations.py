@@ -33,7 +33,7 @@ def digest(tensors: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for name in sorted(tensors):
         h.update(name.encode())
-        h.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(tensors[name].resolve_conj().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -73,10 +73,15 @@ def test_a_follower_moves_to_each_generation_in_place_and_back_on_rollback(make_
 
     assert trainer.publish_generation("policy", weights(2)) == 2
     assert follower.poll(timeout=10) == 2  # told over its own connection
+    waited: list[str] = []
+    plain = engine.request_fds
+    engine.request_fds = lambda op, **kw: (waited.append(op), plain(op, **kw))[1]
     assert follower.update() is True and follower.generation == 2
+    assert waited == ["acquire"], "one round trip: the old lease ends without waiting for the answer"
     assert digest(views) == digest(weights(2)), "the same tensor objects read generation 2"
     assert {n: t.data_ptr() for n, t in follower.tensors.items()} == addresses
 
+    engine.ping()  # the release before it is done once the ping is answered
     listed = entries(trainer)
     assert listed["policy@2"]["current"] and listed["policy@1"]["state"] == "previous"
     assert listed["policy@1"]["leases"] == 0 and listed["policy@2"]["leases"] == 1
@@ -372,3 +377,87 @@ def test_a_follower_refuses_a_generation_from_another_publisher(make_daemon: Any
         assert digest(owned) == digest(mine), "the follower kept the bytes of the publisher it followed"
     finally:
         shutil.rmtree(shared)
+
+
+def test_a_trainer_publishes_host_tensors_without_mapping_the_arena(make_daemon: Any,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU tensors reach a host arena through its descriptor: the trainer never maps it, so its
+    commit has no page tables to tear down before the seal, and readers get exactly its bytes
+    (non-contiguous and conjugated sources included)."""
+    import wcd.views
+
+    maps: list[bool] = []
+    real = wcd.views.map_arena
+    monkeypatch.setattr(wcd.views, "map_arena", lambda arena, fd, m, writable, **kw: (
+        maps.append(writable), real(arena, fd, m, writable, **kw))[1])
+    daemon = make_daemon()
+    trainer, engine = daemon.client(), daemon.client()
+    sent = weights(3)
+    sent["strided"] = torch.arange(64, dtype=torch.float32).reshape(8, 8).t()
+    sent["complex"] = torch.randn(4, dtype=torch.complex64).conj()
+    sent["empty"] = torch.empty(0, 3)
+    assert trainer.publish_generation("policy", sent) == 1
+    assert maps == []  # nothing mapped on the trainer's side
+    follower = engine.follow("policy")
+    assert digest(follower.tensors) == digest(sent)
+    follower.close()
+
+
+def test_a_fill_written_with_a_wrong_tensor_says_so_and_publishes_nothing(make_daemon: Any) -> None:
+    from wcd.key import WeightCacheKey
+
+    daemon = make_daemon()
+    trainer = daemon.client()
+    key = WeightCacheKey(model="policy", transform="generations", device="cpu")
+    layout = {n: (t.dtype, tuple(t.shape)) for n, t in weights(1).items()}
+    for wrong, said in [({"layers.0.w": torch.zeros(4095)}, "reserved as torch.float32 (4096,)"),
+                        ({"layers.0.w": torch.zeros(4096, dtype=torch.float64)}, "is torch.float64"),
+                        ({"nope": torch.zeros(1)}, "'nope' is not one of the reserved tensors")]:
+        for mapped in (False, True):
+            fill = trainer.reserve(key, layout, series="policy", mapped=mapped)
+            with pytest.raises(BadRequest, match="reserved") as e:
+                fill.write(wrong)
+            assert said in e.value.message and "\n" not in e.value.message
+            fill.abort()
+    assert "policy@1" not in entries(trainer)
+    fill = trainer.reserve(key, layout, series="policy", mapped=False)
+    fill.tensors["embed"].fill_(7)  # asked for, the views are mapped then
+    fill.write({n: t for n, t in weights(1).items() if n != "embed"})  # through them
+    assert fill.commit() == "policy@1"
+    with trainer.acquire("policy@1") as lease:
+        assert int(lease.tensors["embed"][0]) == 7
+        assert torch.equal(lease.tensors["layers.1.w"], weights(1)["layers.1.w"])
+
+
+def test_a_request_not_waited_for_leaves_nothing_behind_even_when_refused(make_daemon: Any) -> None:
+    daemon = make_daemon()
+    client = daemon.client()
+    client.send_unawaited("release", lease=987654)  # no such lease: an error reply, dropped
+    client.ping()
+    assert not client._replies and not client._unawaited
+
+
+def test_a_host_copy_in_follower_reads_each_generation_without_mapping_it(make_daemon: Any,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Contiguous CPU tensors of a host series are filled from each generation's memfd (pread):
+    the update maps nothing (no page of the arena faults in, none is torn down) and its bytes are
+    exactly the generation's, forward and on rollback."""
+    import wcd.views
+
+    daemon = make_daemon()
+    trainer, engine = daemon.client(), daemon.client()
+    trainer.publish_generation("policy", weights(1))
+    owned = {n: torch.zeros_like(t) for n, t in weights(0).items()}
+    follower = engine.follow("policy", copy_into=owned)
+    maps: list[bool] = []
+    real = wcd.views.map_arena
+    monkeypatch.setattr(wcd.views, "map_arena", lambda arena, fd, m, writable, **kw: (
+        maps.append(writable), real(arena, fd, m, writable, **kw))[1])
+    trainer.publish_generation("policy", weights(2))
+    assert follower.update() and digest(owned) == digest(weights(2)) and follower.generation == 2
+    trainer.rollback("policy")
+    assert follower.update() and digest(owned) == digest(weights(1)) and follower.generation == 1
+    assert maps == []
+    engine.ping()
+    assert all(e["leases"] == 0 for e in entries(trainer).values())  # holds nothing between updates
+    follower.close()
