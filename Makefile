@@ -11,7 +11,8 @@ SPEC := $(shell cat pyproject.toml | sha256sum | cut -c1-12)-$(shell echo '$(TOR
 VENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/wcd/venv-$(SPEC)
 BIN := $(VENV)/bin
 
-.PHONY: venv demo lint test test-slow test-unit test-package test-system test-engines package bench device-wheels \
+.PHONY: venv demo lint test test-slow test-unit test-package test-system test-engines test-fleet package bench \
+	device-wheels \
 	clean-venv
 
 $(VENV)/.ready:
@@ -41,6 +42,13 @@ test: lint
 
 test-slow: venv
 	"$(BIN)/python" -m pytest -q -p no:cacheprovider -m "slow and not package and not system and not fleet" tests
+
+# Daemons in network namespaces filling entries from each other over NIXL (needs root and iproute2).
+# NIXL (pyproject's `fleet` extra, the same pin) is installed into the venv once.
+NIXL ?= nixl-cu12==1.5.1
+test-fleet: venv
+	"$(BIN)/python" -c "import nixl_cu12" 2>/dev/null || "$(BIN)/python" -m pip install -q --disable-pip-version-check "$(NIXL)"
+	"$(BIN)/python" -m pytest -q -p no:cacheprovider -m fleet tests/fleet
 
 # Builds the Debian package and checks it (installs debhelper and lintian with apt-get if missing).
 test-package: venv

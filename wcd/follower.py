@@ -34,6 +34,7 @@ class Follower:
         """`client`: the `wcd.client.Client` whose connection is told of new generations."""
         self.client, self.series = client, series
         self._into = dict(copy_into) if copy_into is not None else None
+        self._by_fd = False  # copy-in reads each generation through its descriptor
         self.announced = client.watch(series)  # the current generation, as last announced
         self.lease: Any = None  # a `wcd.client.Lease`; copy-in followers hold none between updates
         try:
@@ -45,6 +46,10 @@ class Follower:
                 self._server = client.server.get("pid")  # generation numbers are a daemon's, not for ever
                 if self._into is not None:
                     self._check_into(lease)
+                    # Host bytes into contiguous CPU tensors: later generations are read from
+                    # their memfd (`_copy`), never mapped.
+                    self._by_fd = lease.arena.get("kind") == "host" and all(
+                        t.device.type == "cpu" and t.is_contiguous() for t in self._into.values())
                     self._copy(lease)
             except BaseException:
                 lease.release()
@@ -86,7 +91,8 @@ class Follower:
     def update(self, generation: int | None = None) -> bool:
         """Move to `generation` (default: the current one); whether the tensors changed."""
         started = time.perf_counter()
-        new = self.client._acquire_generation(self.series, generation, "map" if self._into is not None else "fd")
+        mapping = "fd" if self._into is None or self._by_fd else "map"
+        new = self.client._acquire_generation(self.series, generation, mapping)
         try:
             number = _number(new, self.series)
             restarted = self.client.server.get("pid") != self._server  # its numbers start again
@@ -106,7 +112,7 @@ class Follower:
                 except BaseException:
                     self.generation = 0  # part copied: neither generation (the next update copies all)
                     raise
-                new.release()
+                new.release(wait=False)
             else:
                 self._swap(new)
         except BaseException:
@@ -159,9 +165,16 @@ class Follower:
 
     def _copy(self, lease: Any) -> None:
         assert self._into is not None
-        source = lease.tensors
-        for name, t in self._into.items():
-            t.copy_(source[name], non_blocking=True)
+        if lease._arena_fd is not None:
+            from wcd.views import read_through_fd
+
+            if lease.arena.get("kind") != "host":
+                raise BadRequest(f"{lease.entry} is not in host memory like the generation followed")
+            read_through_fd(lease._arena_fd, lease.manifest, self._into)
+            return
+        from wcd.views import copy_all
+
+        copy_all(self._into, lease.tensors)
         first = next(iter(self._into.values()), None)
         if first is not None and first.is_cuda:
             import torch

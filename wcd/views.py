@@ -110,6 +110,40 @@ def write_through_fd(fd: int, manifest: Manifest, tensors: Mapping[str, torch.Te
         del data, src
 
 
+def read_through_fd(fd: int, manifest: Manifest, into: Mapping[str, torch.Tensor]) -> None:
+    """Read a host arena's tensors from its memfd into `into`'s contiguous CPU tensors of the
+    same names (pread: one kernel copy each, and no mapping of the arena whose pages would each
+    fault in, then be torn down). The caller has checked names, dtypes and shapes."""
+    at = {name: i for i, name in enumerate(manifest.names)}
+    for name, t in into.items():
+        i, nbytes = at[name], t.numel() * t.element_size()
+        if nbytes != manifest.sizes[i]:
+            raise BadRequest(f"tensor {name!r} holds {nbytes} bytes, the arena's {manifest.sizes[i]}")
+        if not nbytes:
+            continue
+        data = memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
+        done, offset = 0, manifest.offsets[i]
+        while done < nbytes:
+            got = os.preadv(fd, [data[done:]], offset + done)
+            if got <= 0:
+                raise BadRequest(f"the arena ends inside tensor {name!r}")
+            done += got
+        del data
+
+
+def copy_all(into: Mapping[str, torch.Tensor], source: Mapping[str, torch.Tensor]) -> None:
+    """`into[name].copy_(source[name])` for every name, as few calls as torch allows (one
+    `_foreach_copy_` per device rather than a Python call and a launch per tensor)."""
+    names = list(into)
+    dst, src = [into[n] for n in names], [source[n] for n in names]
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is not None and dst:
+        foreach(dst, src, non_blocking=True)
+    else:
+        for d, s in zip(dst, src):
+            d.copy_(s, non_blocking=True)
+
+
 def _reserved(reserved: Mapping[str, Any], name: str) -> Any:
     found = reserved.get(name)
     if found is None:

@@ -435,3 +435,29 @@ def test_a_request_not_waited_for_leaves_nothing_behind_even_when_refused(make_d
     client.send_unawaited("release", lease=987654)  # no such lease: an error reply, dropped
     client.ping()
     assert not client._replies and not client._unawaited
+
+
+def test_a_host_copy_in_follower_reads_each_generation_without_mapping_it(make_daemon: Any,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Contiguous CPU tensors of a host series are filled from each generation's memfd (pread):
+    the update maps nothing (no page of the arena faults in, none is torn down) and its bytes are
+    exactly the generation's, forward and on rollback."""
+    import wcd.views
+
+    daemon = make_daemon()
+    trainer, engine = daemon.client(), daemon.client()
+    trainer.publish_generation("policy", weights(1))
+    owned = {n: torch.zeros_like(t) for n, t in weights(0).items()}
+    follower = engine.follow("policy", copy_into=owned)
+    maps: list[bool] = []
+    real = wcd.views.map_arena
+    monkeypatch.setattr(wcd.views, "map_arena", lambda arena, fd, m, writable, **kw: (
+        maps.append(writable), real(arena, fd, m, writable, **kw))[1])
+    trainer.publish_generation("policy", weights(2))
+    assert follower.update() and digest(owned) == digest(weights(2)) and follower.generation == 2
+    trainer.rollback("policy")
+    assert follower.update() and digest(owned) == digest(weights(1)) and follower.generation == 1
+    assert maps == []
+    engine.ping()
+    assert all(e["leases"] == 0 for e in entries(trainer).values())  # holds nothing between updates
+    follower.close()

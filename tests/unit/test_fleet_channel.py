@@ -112,7 +112,10 @@ def test_an_unauthenticated_peer_cannot_make_it_read_a_large_frame() -> None:
     asyncio.run(main())
 
 
-def _config(tmp_path: Path, secret_mode: int = 0o600, secret: bytes = os.urandom(40), extra: str = "") -> Any:
+SECRET = b"0123456789abcdefghijklmnopqrstuvwxyzABCD"  # text, as `base64` writes one
+
+
+def _config(tmp_path: Path, secret_mode: int = 0o600, secret: bytes = SECRET + b"\n", extra: str = "") -> Any:
     path = tmp_path / "secret"
     path.write_bytes(secret)
     path.chmod(secret_mode)
@@ -126,7 +129,7 @@ def test_fleet_config(tmp_path: Path) -> None:
     config = _config(tmp_path)  # a missing checkpoint is allowed: a peer may hold it
     assert config.fleet is not None and config.fleet.offered_bytes("cpu") == 1 << 30
     assert config.fleet.offered_bytes("cuda:0") == 0
-    assert len(config.fleet.read_secret(os.getuid())) == 40
+    assert config.fleet.read_secret(os.getuid()) == SECRET  # newline stripped
     with pytest.raises(ConfigError, match="no one else may read"):
         _config(tmp_path, 0o644).fleet.read_secret(os.getuid())
     with pytest.raises(ConfigError, match="32 or more"):

@@ -29,6 +29,7 @@ import msgpack
 MAX_MESSAGE = 1 << 20
 PIECES = 32  # descriptors a read is cut into (one registration): UCX keeps several in flight
 MIN_PIECE = 1 << 20
+PASSES = 64  # progress passes between looks at the daemon's socket while serving
 
 
 def _nixl() -> Any:
@@ -93,7 +94,8 @@ class Exporter:
             ready, _, _ = select.select([sock], [], [], 0)
             if ready:
                 return
-            self.agent.get_new_notifs()  # a progress pass of the UCX worker: serves their reads
+            for _ in range(PASSES):  # progress passes of the UCX worker: they serve the reads
+                self.agent.get_new_notifs()
 
     def unexport(self, req: dict[str, Any]) -> dict[str, Any]:
         got = self.regions.pop(int(req["id"]), None)
